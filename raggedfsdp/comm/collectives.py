@@ -1,0 +1,203 @@
+"""Flat-buffer collectives for ragged sharding, correct on gloo (CPU) and NCCL (CUDA).
+
+The sharding core keeps one flat buffer of ``W`` equal segments per communication group, so
+FSDP traffic is exactly one all-gather and one reduce-scatter of equal segments, in place. Ragged
+moves (e.g. a whole matrix to its owner rank for Muon) go through ``all_to_all_single`` with
+uneven splits, the one uneven primitive gloo supports: list-based ``all_to_all``, ``all_gather``,
+``gather`` and ``scatter`` fail or abort on uneven sizes there.
+
+Backend notes (torch 2.13):
+
+* ``all_gather_single`` / ``reduce_scatter_single`` are used; ``all_gather_into_tensor`` and
+  ``reduce_scatter_tensor`` are deprecated aliases of them that emit a ``FutureWarning``.
+* ``ReduceOp.AVG`` is native on both gloo and NCCL for floating dtypes (gloo's result is
+  bitwise ``SUM / W``), so averaging needs no post-processing; integer AVG fails on gloo, hence
+  the floating-point check.
+* At world size 1 nothing is issued: the result is a copy (or nothing, when in place).
+
+Every function returns a :class:`~raggedfsdp.comm.handle.CommHandle`; with ``async_op=False`` it
+is already complete. ``comm_stream`` (CUDA only) runs the collective on a dedicated stream; see
+:mod:`raggedfsdp.comm.handle` for the stream protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup, ReduceOp
+
+from raggedfsdp.comm._checks import (
+    check_contiguous,
+    check_pair,
+    check_segment_alias,
+    check_splits,
+    overlaps,
+)
+from raggedfsdp.comm.handle import CommHandle, launch
+from raggedfsdp.comm.mesh import group_rank, group_size
+
+__all__ = [
+    "ReduceKind",
+    "all_gather_flat",
+    "all_reduce_flat",
+    "all_to_all_uneven",
+    "reduce_scatter_flat",
+]
+
+ReduceKind = Literal["avg", "sum"]
+_REDUCE_OPS = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM}
+
+
+def _reduce_op(op: str, tensor: Tensor) -> ReduceOp.RedOpType:
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"op: expected one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    if op == "avg" and not tensor.is_floating_point():
+        raise TypeError(f"op: 'avg' needs a floating dtype, got {tensor.dtype}; use 'sum'")
+    return _REDUCE_OPS[op]
+
+
+def _copy_unless_same(dst: Tensor, src: Tensor) -> None:
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
+
+
+def all_gather_flat(
+    full: Tensor,
+    shard: Tensor,
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+    comm_stream: torch.cuda.Stream | None = None,
+) -> CommHandle:
+    """Gather every rank's equal-size ``shard`` into the flat ``full`` (rank ``r`` at ``r*S``).
+
+    ``shard`` may be this rank's own segment ``full[r*S:(r+1)*S]``: the gather then runs in place
+    with no copy at all, which is how the flat parameter buffers are used.
+    """
+    check_contiguous("full", full)
+    check_contiguous("shard", shard)
+    check_pair("full", full, "shard", shard)
+    world, rank = group_size(group), group_rank(group)
+    if full.numel() != world * shard.numel():
+        raise ValueError(
+            f"full: has {full.numel()} elements, expected world size {world} x shard "
+            f"{shard.numel()} = {world * shard.numel()}"
+        )
+    check_segment_alias("full", full, "shard", shard, rank)
+    if world == 1:
+        _copy_unless_same(full, shard)
+        return CommHandle()
+    return launch(
+        lambda a: dist.all_gather_single(full, shard, group=group, async_op=a),
+        (full, shard),
+        async_op,
+        comm_stream,
+    )
+
+
+def reduce_scatter_flat(
+    shard_out: Tensor,
+    full_in: Tensor,
+    group: ProcessGroup | None = None,
+    op: ReduceKind = "avg",
+    *,
+    async_op: bool = False,
+    comm_stream: torch.cuda.Stream | None = None,
+) -> CommHandle:
+    """Reduce the flat ``full_in`` (``W`` equal segments) across ranks into this rank's segment.
+
+    ``shard_out`` may be this rank's segment of ``full_in`` (in place). Both must share a dtype:
+    reducing in a wider dtype than the shard is a policy the caller states by casting first.
+    """
+    check_contiguous("shard_out", shard_out)
+    check_contiguous("full_in", full_in)
+    check_pair("full_in", full_in, "shard_out", shard_out)
+    reduce_op = _reduce_op(op, full_in)
+    world, rank = group_size(group), group_rank(group)
+    if full_in.numel() != world * shard_out.numel():
+        raise ValueError(
+            f"full_in: has {full_in.numel()} elements, expected world size {world} x shard_out "
+            f"{shard_out.numel()} = {world * shard_out.numel()}"
+        )
+    check_segment_alias("full_in", full_in, "shard_out", shard_out, rank)
+    if world == 1:
+        _copy_unless_same(shard_out, full_in)
+        return CommHandle()
+    return launch(
+        lambda a: dist.reduce_scatter_single(
+            shard_out, full_in, op=reduce_op, group=group, async_op=a
+        ),
+        (shard_out, full_in),
+        async_op,
+        comm_stream,
+    )
+
+
+def all_reduce_flat(
+    tensor: Tensor,
+    group: ProcessGroup | None = None,
+    op: ReduceKind = "avg",
+    *,
+    async_op: bool = False,
+    comm_stream: torch.cuda.Stream | None = None,
+) -> CommHandle:
+    """Reduce ``tensor`` in place across ``group``: the HSDP replicate-dimension reduction."""
+    check_contiguous("tensor", tensor, flat=False)
+    reduce_op = _reduce_op(op, tensor)
+    if group_size(group) == 1:
+        return CommHandle()
+    return launch(
+        lambda a: dist.all_reduce(tensor, op=reduce_op, group=group, async_op=a),
+        (tensor,),
+        async_op,
+        comm_stream,
+    )
+
+
+def all_to_all_uneven(
+    output: Tensor,
+    input: Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+    comm_stream: torch.cuda.Stream | None = None,
+) -> CommHandle:
+    """Send ``input_split_sizes[j]`` consecutive elements of ``input`` to rank ``j`` and receive
+    ``output_split_sizes[i]`` elements from rank ``i`` into consecutive runs of ``output``.
+
+    Sizes may be zero (a rank sending or receiving nothing). The split lists must agree across
+    ranks (this rank's ``output_split_sizes[i]`` is rank ``i``'s ``input_split_sizes[me]``); only
+    the entry for this rank itself can be checked locally, the rest is the caller's contract.
+    """
+    check_contiguous("output", output)
+    check_contiguous("input", input)
+    check_pair("input", input, "output", output)
+    world, rank = group_size(group), group_rank(group)
+    out_splits = check_splits(
+        "output_split_sizes", output_split_sizes, world, output.numel(), "output"
+    )
+    in_splits = check_splits("input_split_sizes", input_split_sizes, world, input.numel(), "input")
+    if out_splits[rank] != in_splits[rank]:
+        raise ValueError(
+            f"output_split_sizes: receives {out_splits[rank]} elements from this rank ({rank}) "
+            f"but input_split_sizes sends it {in_splits[rank]}"
+        )
+    if overlaps(output, input):
+        raise ValueError("output: must not overlap input (all-to-all cannot run in place)")
+    if world == 1:
+        output.copy_(input)
+        return CommHandle()
+    return launch(
+        lambda a: dist.all_to_all_single(
+            output, input, out_splits, in_splits, group=group, async_op=a
+        ),
+        (output, input),
+        async_op,
+        comm_stream,
+    )

@@ -1,0 +1,94 @@
+"""Completion handles for collectives, and the stream discipline that makes them safe on CUDA.
+
+Launch protocol with a dedicated communication stream (CUDA only; ignored for CPU tensors):
+
+1. the comm stream waits for everything already queued on the current (compute) stream, so the
+   collective reads inputs that are fully written;
+2. the collective is issued on the comm stream (NCCL then orders its own internal stream after
+   it and the comm stream after that);
+3. an event is recorded on the comm stream;
+4. :meth:`CommHandle.wait` makes the *current* stream wait for that event.
+
+The handle holds references to the tensors until :meth:`CommHandle.wait`. That is what makes
+``Tensor.record_stream`` unnecessary: the caching allocator can only recycle the memory once the
+last reference is gone, and by then the current stream is already ordered after the collective, so
+any reuse on it happens after the communication finished. (``record_stream`` would instead
+delay reuse until the allocator polls the event, which keeps memory alive for an unknown time.)
+The rule for callers is the usual one for async work: call ``wait()`` before touching the tensors,
+and call it on the stream that will use them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.distributed import Work
+
+__all__ = ["CommHandle"]
+
+
+class CommHandle:
+    """Handle of one issued collective; ``wait()`` finishes it and is safe to call twice.
+
+    Every collective in :mod:`raggedfsdp.comm` returns one. With ``async_op=False`` it comes back
+    already waited, so callers never branch on the mode.
+    """
+
+    __slots__ = ("_device", "_event", "_keep_alive", "_work")
+
+    def __init__(
+        self,
+        work: Work | None = None,
+        event: torch.cuda.Event | None = None,
+        device: torch.device | None = None,
+        keep_alive: tuple[Tensor, ...] = (),
+    ) -> None:
+        self._work = work
+        self._event = event
+        self._device = device
+        self._keep_alive = keep_alive
+
+    def wait(self) -> None:
+        """Block (CPU) or order the current stream (CUDA) after the collective, then release it.
+
+        With a bare ``Work`` on CUDA, ``Work.wait()`` already makes the current stream wait for
+        the backend's stream; with a comm stream we wait on our own event instead.
+        """
+        if self._work is not None:
+            self._work.wait()
+        if self._event is not None:
+            self._event.wait(torch.cuda.current_stream(self._device))
+        self._work = None
+        self._event = None
+        self._keep_alive = ()
+
+
+def launch(
+    issue: Callable[[bool], Work | None],
+    tensors: tuple[Tensor, ...],
+    async_op: bool,
+    comm_stream: torch.cuda.Stream | None,
+) -> CommHandle:
+    """Issue a collective through ``issue(async_op)`` and wrap the result in a handle.
+
+    ``tensors`` are all tensors the collective reads or writes; they stay referenced until the
+    handle is waited. ``comm_stream`` applies only to CUDA tensors (see the module docstring).
+    """
+    if comm_stream is None or not tensors[0].is_cuda:
+        handle = CommHandle(work=issue(async_op), keep_alive=tensors)
+    else:
+        device = tensors[0].device
+        if comm_stream.device != device:
+            raise ValueError(f"comm_stream: is on {comm_stream.device} but the tensors on {device}")
+        comm_stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(comm_stream):
+            # Synchronous issue: for NCCL this only orders the comm stream after NCCL's stream;
+            # the host does not block.
+            issue(False)
+            done = comm_stream.record_event()
+        handle = CommHandle(event=done, device=device, keep_alive=tensors)
+    if not async_op:
+        handle.wait()
+    return handle

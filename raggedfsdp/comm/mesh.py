@@ -1,0 +1,139 @@
+"""Which ranks a flat buffer is sharded over, and over which ranks it is replicated.
+
+Every layer above this one needs the same four numbers (shard group, shard rank, shard size and,
+for HSDP, the replicate group), whatever the user handed in: a ``DeviceMesh``, a bare
+``ProcessGroup`` or nothing at all. Resolving them once into a frozen :class:`ShardMesh` keeps
+that branching out of the sharding and optimizer code.
+
+``group=None`` follows torch's convention (the default group) with one addition: when
+``torch.distributed`` is not initialized it means a single process, so single-process code paths
+(unit tests, notebooks) run the same code without creating a process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["ShardMesh", "group_rank", "group_size", "resolve_group", "resolve_mesh"]
+
+MeshLike = DeviceMesh | ProcessGroup | None
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """Number of ranks in ``group``; 1 for ``None`` when torch.distributed is not initialized."""
+    if group is None and not dist.is_initialized():
+        return 1
+    size = dist.get_world_size(group)
+    if size < 0:
+        raise ValueError("group: this rank is not a member of the process group it was given")
+    return size
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank within ``group``; 0 for ``None`` when not initialized."""
+    if group is None and not dist.is_initialized():
+        return 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this rank is not a member of the process group it was given")
+    return rank
+
+
+@dataclass(frozen=True)
+class ShardMesh:
+    """The ranks one flat buffer is sharded over (and, for HSDP, replicated over).
+
+    ``shard_group`` is ``None`` only for the single-process mesh. ``replicate_group`` is ``None``
+    for plain FSDP; for HSDP gradients are reduce-scattered over ``shard_group`` and then
+    all-reduced over ``replicate_group``. ``device_mesh`` is kept when the mesh came from a
+    ``DeviceMesh`` so callers that build DTensors can reuse it.
+    """
+
+    shard_group: ProcessGroup | None
+    shard_rank: int
+    shard_size: int
+    replicate_group: ProcessGroup | None = None
+    replicate_rank: int = 0
+    replicate_size: int = 1
+    device_mesh: DeviceMesh | None = None
+
+    @property
+    def is_hsdp(self) -> bool:
+        """True when there is a replicate dimension (even of size 1: the reduction is a no-op)."""
+        return self.replicate_group is not None
+
+    @classmethod
+    def from_groups(
+        cls,
+        shard_group: ProcessGroup | None,
+        replicate_group: ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,
+    ) -> ShardMesh:
+        """Build a mesh from explicit groups; ranks and sizes are read from torch.distributed."""
+        return cls(
+            shard_group=shard_group,
+            shard_rank=group_rank(shard_group),
+            shard_size=group_size(shard_group),
+            replicate_group=replicate_group,
+            replicate_rank=0 if replicate_group is None else group_rank(replicate_group),
+            replicate_size=1 if replicate_group is None else group_size(replicate_group),
+            device_mesh=device_mesh,
+        )
+
+
+def _check_device_mesh(mesh: DeviceMesh) -> None:
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"mesh_or_group: expected a 1-D (FSDP) or 2-D (replicate x shard, HSDP) DeviceMesh, "
+            f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; slice or flatten it to the FSDP dims "
+            f"first (e.g. mesh['dp_replicate', 'dp_shard']) or pass the shard ProcessGroup"
+        )
+
+
+def resolve_group(
+    mesh_or_group: MeshLike = None, mesh_dim: int | str | None = None
+) -> ProcessGroup | None:
+    """Return the process group a collective should run on.
+
+    A ``DeviceMesh`` gives the group of ``mesh_dim`` (default: its last dim, the shard dim). A
+    ``ProcessGroup`` is returned as is. ``None`` gives the default group, or ``None`` again when
+    torch.distributed is not initialized (the collectives treat that as a single process).
+    """
+    if isinstance(mesh_or_group, DeviceMesh):
+        _check_device_mesh(mesh_or_group)
+        dim = mesh_or_group.ndim - 1 if mesh_dim is None else mesh_dim
+        if isinstance(dim, int) and not 0 <= dim < mesh_or_group.ndim:
+            raise ValueError(
+                f"mesh_dim: {dim} is out of range for a {mesh_or_group.ndim}-D DeviceMesh"
+            )
+        return mesh_or_group.get_group(dim)
+    if mesh_dim is not None:
+        raise ValueError("mesh_dim: only meaningful with a DeviceMesh; leave it None for a group")
+    if mesh_or_group is None:
+        return dist.group.WORLD if dist.is_initialized() else None
+    if isinstance(mesh_or_group, ProcessGroup):
+        return mesh_or_group
+    raise TypeError(
+        f"mesh_or_group: expected a DeviceMesh, a ProcessGroup or None, "
+        f"got {type(mesh_or_group).__name__}"
+    )
+
+
+def resolve_mesh(mesh_or_group: MeshLike | ShardMesh = None) -> ShardMesh:
+    """Describe the FSDP/HSDP layout given by a DeviceMesh, a ProcessGroup or None.
+
+    A 1-D mesh or a group is plain FSDP. A 2-D mesh is HSDP: dim 0 replicates, dim 1 shards (the
+    order torch's ``fully_shard`` uses). ``None`` shards over the default group, or is the
+    single-process mesh when torch.distributed is not initialized. A ``ShardMesh`` passes through.
+    """
+    if isinstance(mesh_or_group, ShardMesh):
+        return mesh_or_group
+    if isinstance(mesh_or_group, DeviceMesh):
+        _check_device_mesh(mesh_or_group)
+        replicate = mesh_or_group.get_group(0) if mesh_or_group.ndim == 2 else None
+        return ShardMesh.from_groups(resolve_group(mesh_or_group), replicate, mesh_or_group)
+    return ShardMesh.from_groups(resolve_group(mesh_or_group))

@@ -1,0 +1,1 @@
+"""Sharded optimizers (``AdamW``, ``AdamW8bit``, ``Muon``, ``Shampoo``): not implemented yet."""

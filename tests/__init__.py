@@ -1,0 +1,1 @@
+"""Test package; a package so that worker processes can import task functions as ``tests.*``."""
