@@ -13,7 +13,9 @@ from raggedfsdp.sharding.planner import (
     plan_layout,
     plan_layout_exact,
 )
+from raggedfsdp.sharding.policy import ShardPolicy, combine, element_units, row_units, slice_units
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard, flat_range_to_boxes, row_numel
+from raggedfsdp.sharding.ragged_tensor import RaggedTensor
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
@@ -21,10 +23,16 @@ __all__ = [
     "FlatBuffer",
     "Layout",
     "RaggedShard",
+    "RaggedTensor",
+    "ShardPolicy",
     "TensorSpec",
+    "combine",
     "dtype_itemsize",
+    "element_units",
     "flat_range_to_boxes",
     "plan_layout",
     "plan_layout_exact",
     "row_numel",
+    "row_units",
+    "slice_units",
 ]

@@ -1,0 +1,80 @@
+"""``clip_grad_norm_`` over ragged shards: one scalar all-reduce per shard group.
+
+``torch.nn.utils.clip_grad_norm_`` needs per-tensor norms, which a rank cannot compute from its
+pieces. Each rank's pieces are disjoint, so summing ``|g|^p`` over local pieces and all-reducing
+that one number per shard group gives the exact global norm. Plain (replicated) gradients are
+identical on every rank and are added once, after the reduction. With HSDP the replicas hold
+identical sharded gradients, so only the shard group is reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.sharding import RaggedTensor
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
+
+    Works on ``fully_shard`` parameters (``RaggedTensor`` gradients), plain ones, or a mix;
+    returns the total norm (fp32) before clipping, the same on every rank.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type={norm_type} must be positive (or math.inf)")
+    device = grads[0].device
+    ragged_by_group: dict[object, list[torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    for g in grads:
+        if isinstance(g, RaggedTensor):
+            ragged_by_group.setdefault(g._group, []).append(g.local)
+        else:
+            plain.append(g)
+    partials = []
+    for group, locals_ in ragged_by_group.items():
+        part = _partial(locals_, norm_type, device)
+        if dist.is_initialized():
+            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+            dist.all_reduce(part, op=op, group=group)
+        partials.append(part)
+    if plain:
+        partials.append(_partial(plain, norm_type, device))
+    stacked = torch.stack(partials)
+    total = stacked.max() if math.isinf(norm_type) else stacked.sum().pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"the total gradient norm is {total.item()}: set error_if_nonfinite=False to clip "
+            "anyway, or skip this step"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            (g.local if isinstance(g, RaggedTensor) else g).mul_(coef.to(g.dtype))
+    return total
+
+
+def _partial(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """``max |g|`` or ``sum |g|^p`` over the given tensors, in fp32."""
+    flat = [t.reshape(-1).float() for t in tensors if t.numel()]
+    if not flat:
+        return torch.zeros((), device=device)
+    if math.isinf(norm_type):
+        return torch.stack([t.abs().max() for t in flat]).max()
+    return torch.stack([t.abs().pow(norm_type).sum() for t in flat]).sum()

@@ -1,0 +1,273 @@
+"""``ParamGroup``: the parameters of one ``fully_shard`` call, planned into flat buffers.
+
+One group owns three flat buffers laid out by one plan:
+
+* ``master``: the sharded parameters in their own dtype. Its local segment is what the sharded
+  ``RaggedTensor`` parameters view and what the optimizer updates.
+* ``compute``: the all-gather buffer. Its full buffer *is* the unsharded parameters (each one a
+  view), so the all-gather writes parameters in place; without mixed precision it is ``master``
+  itself and even the all-gather input needs no copy.
+* ``grads``: autograd's fresh gradient for each unsharded parameter is copied (cast, if
+  ``reduce_dtype`` asks) into its slice of the full gradient buffer as soon as it is accumulated,
+  then freed; the reduce-scatter runs in place on that buffer, and the sharded ``.grad`` tensors
+  are views of its local segment.
+
+Nothing is copied into or out of a communication buffer around a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from raggedfsdp.comm import (
+    CommHandle,
+    ShardMesh,
+    all_gather_flat,
+    all_reduce_flat,
+    reduce_scatter_flat,
+)
+from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
+from raggedfsdp.sharding import FlatBuffer, Layout, RaggedTensor, ShardPolicy, TensorSpec
+from raggedfsdp.sharding import plan_layout as _plan_layout
+
+__all__ = ["ManagedParam", "ParamGroup"]
+
+
+@dataclass
+class ManagedParam:
+    """One parameter of a group and everywhere the module tree refers to it (tied weights
+    appear at several places). ``original`` is dropped once sharded, freeing its memory."""
+
+    fqn: str
+    original: nn.Parameter | None
+    locations: list[tuple[nn.Module, str]]
+    requires_grad: bool = field(init=False)
+    sharded: nn.Parameter = field(init=False)
+    unsharded: nn.Parameter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.requires_grad = self.original.requires_grad
+
+
+class ParamGroup:
+    """Flat buffers, collectives and parameter swapping for one ``fully_shard`` call."""
+
+    def __init__(
+        self,
+        params: list[ManagedParam],
+        mesh: ShardMesh,
+        mp_policy: MixedPrecisionPolicy,
+        shard_policy: ShardPolicy,
+        comm_streams: Callable[[], tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]],
+    ) -> None:
+        self.params = params
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self._comm_streams = comm_streams
+        first = params[0].original
+        self.device, self.orig_dtype = first.device, first.dtype
+        for mp in params[1:]:
+            p = mp.original
+            if p.device != self.device or p.dtype != self.orig_dtype:
+                raise ValueError(
+                    f"parameter {mp.fqn!r} is {p.dtype} on {p.device} but {params[0].fqn!r} is "
+                    f"{self.orig_dtype} on {self.device}: one fully_shard group holds one dtype on "
+                    "one device. Move/cast the module first, or wrap the differing submodule "
+                    "in its own fully_shard call."
+                )
+        specs = [
+            TensorSpec(mp.fqn, tuple(mp.original.shape), self.orig_dtype, _unit(shard_policy, mp))
+            for mp in params
+        ]
+        self.layout: Layout = _plan_layout(specs, mesh.shard_size)
+        rank = mesh.shard_rank
+        compute_dtype = mp_policy.param_dtype or self.orig_dtype
+        reduce_dtype = mp_policy.reduce_dtype or compute_dtype
+        self.master = FlatBuffer(self.layout, rank, self.orig_dtype, self.device)
+        with torch.no_grad():
+            self.master.load_full_tensors({mp.fqn: mp.original.detach() for mp in params})
+        self.compute = (
+            self.master
+            if compute_dtype == self.orig_dtype
+            else FlatBuffer(self.layout, rank, compute_dtype, self.device)
+        )
+        self.grads = FlatBuffer(self.layout, rank, reduce_dtype, self.device)
+        # Sharded gradients in the parameters' dtype: the reduce-scatter output itself when the
+        # dtypes agree, else a cast copy of it.
+        self.grad_shard = (
+            self.grads.shard
+            if reduce_dtype == self.orig_dtype
+            else torch.zeros_like(self.master.shard)
+        )
+        for mp in params:
+            spec = self.layout.shards[mp.fqn]
+            local = self.master.shard_view(mp.fqn)
+            ragged = RaggedTensor(local, spec, rank, mesh.shard_group)
+            mp.sharded = nn.Parameter(ragged, requires_grad=mp.requires_grad)
+            mp.unsharded = nn.Parameter(self.compute.full_view(mp.fqn), mp.requires_grad)
+            mp.original = None
+        self.is_unsharded = False
+        self._gather: CommHandle | None = None
+        self._version = 0  # the compute buffer's autograd version before the pending gather
+        self._reduce: tuple[CommHandle, torch.Tensor] | None = None
+        self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
+        self.arrived = 0  # gradients accumulated during the current backward
+        self.num_trainable = sum(mp.requires_grad for mp in params)
+        self.requires_gradient_sync = True
+        self.use_sharded_params()
+
+    # ----------------------------------------------------------------------------- parameters
+    def _install(self, which: str) -> None:
+        for mp in self.params:
+            tensor = getattr(mp, which)
+            for module, name in mp.locations:
+                module._parameters[name] = tensor
+
+    def use_sharded_params(self) -> None:
+        self._install("sharded")
+
+    def use_unsharded_params(self) -> None:
+        self._install("unsharded")
+
+    # ----------------------------------------------------------------------------- all-gather
+    def unshard(self, async_op: bool = False) -> None:
+        """Start (or finish) the all-gather of the parameters into the compute buffer."""
+        if self.is_unsharded or self._gather is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        with torch.no_grad():
+            if self.compute is not self.master:
+                self.compute.shard.copy_(self.master.shard)  # cast fp32 -> param_dtype (1/W)
+            full = self.compute.alloc_full()
+            self._version = full._version
+            self._gather = all_gather_flat(
+                full,
+                self.compute.shard,
+                self.mesh.shard_group,
+                async_op=async_op,
+                comm_stream=self._comm_streams()[0],
+            )
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self._gather is not None:
+            self._wait_gather()
+        self.is_unsharded = True
+
+    def _wait_gather(self) -> None:
+        self._gather.wait()
+        self._gather = None
+        # The collective rewrote the storage that saved activations of the unsharded params
+        # point at, with the data they had: undo the version bump (which gloo makes whenever
+        # the work completes) so autograd's in-place check stays quiet, as FSDP2 does.
+        torch._C._autograd._unsafe_set_version_counter((self.compute.full,), (self._version,))
+
+    def reshard(self) -> None:
+        """Point the modules back at the sharded parameters and free the unsharded memory."""
+        if self._gather is not None:  # a prefetch that was never used
+            self._wait_gather()
+        self.use_sharded_params()
+        if self.is_unsharded:
+            self.compute.free_full()
+            self.is_unsharded = False
+
+    # ----------------------------------------------------------------------------- gradients
+    def accumulate_grad(self, index: int, param: nn.Parameter) -> None:
+        """Post-accumulate hook of unsharded parameter ``index``: move its fresh gradient into
+        the flat gradient buffer (one copy, cast if needed) and free it right away."""
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        if not self.grads.is_full_allocated:
+            self.grads.alloc_full()
+            self.grads.zero_full_padding()
+            self._received.clear()
+        view = self.grads.full_view(self.params[index].fqn)
+        self.arrived += 1
+        with torch.no_grad():
+            if index in self._received:  # accumulation without sync across micro-batches
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+                self._received.add(index)
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        return self.grads.is_full_allocated
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter the flat gradient buffer (in place, averaged) and, for HSDP, all-reduce
+        over the replicas; asynchronous, finished by ``finish_reduce``."""
+        with torch.no_grad():
+            for i, mp in enumerate(self.params):  # parameters that got no gradient this window
+                if i not in self._received and mp.requires_grad:
+                    self.grads.full_view(mp.fqn).zero_()
+            accumulate = any(mp.sharded.grad is not None for mp in self.params)
+            out = (
+                self.grads.shard
+                if not accumulate and self.grad_shard is self.grads.shard
+                else torch.empty_like(self.grads.shard)
+            )
+            handle = reduce_scatter_flat(
+                out,
+                self.grads.full,
+                self.mesh.shard_group,
+                op="avg",
+                async_op=True,
+                comm_stream=self._comm_streams()[1],
+            )
+        self._reduce = (handle, out)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter, free the full gradient buffer and set sharded grads."""
+        if self._reduce is None:
+            return
+        handle, out = self._reduce
+        self._reduce = None
+        handle.wait()
+        if self.mesh.is_hsdp:
+            all_reduce_flat(out, self.mesh.replicate_group, op="avg")
+        self.grads.free_full()
+        received = set(self._received)
+        self._received.clear()
+        rank, group = self.mesh.shard_rank, self.mesh.shard_group
+        with torch.no_grad():
+            for i, mp in enumerate(self.params):
+                if not mp.requires_grad or i not in received:
+                    continue
+                name = mp.fqn
+                existing = mp.sharded.grad
+                if existing is not None:
+                    existing.local.add_(_piece(self.layout, rank, name, out))
+                    continue
+                if out is not self.grad_shard:
+                    _piece(self.layout, rank, name, self.grad_shard).copy_(
+                        _piece(self.layout, rank, name, out)
+                    )
+                local = _piece(self.layout, rank, name, self.grad_shard)
+                mp.sharded.grad = RaggedTensor(local, self.layout.shards[name], rank, group)
+
+
+def _piece(layout: Layout, rank: int, name: str, segment: torch.Tensor) -> torch.Tensor:
+    """Tensor ``name``'s piece of this rank's ``segment`` (a flat tensor of S elements)."""
+    start, _ = layout.segment(rank)
+    tensor_start = layout.offsets[name]
+    lo, hi = layout.shards[name].local_range(rank)
+    return segment[tensor_start + lo - start : tensor_start + hi - start]
+
+
+def _unit(policy: ShardPolicy, mp: ManagedParam) -> int:
+    unit = policy(mp.fqn, mp.original)
+    if not isinstance(unit, int) or unit < 1:
+        raise ValueError(
+            f"shard_policy returned unit={unit!r} for parameter {mp.fqn!r}; it must return a "
+            "positive number of elements (e.g. raggedfsdp.sharding.row_units(32))"
+        )
+    return unit

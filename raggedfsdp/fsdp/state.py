@@ -1,0 +1,191 @@
+"""Per-module FSDP state: forward/backward hooks, the root's lazy set-up, prefetching.
+
+Like FSDP2, each ``fully_shard`` call attaches a state to its module; the first wrapped module
+whose forward runs becomes the *root*, collects every state below it into a ``RootContext`` and
+from then on:
+
+* pre-forward: finish (or start) the group's all-gather, point the module at the unsharded
+  parameters, and start prefetching the next group in the recorded forward order;
+* post-forward: reshard (unless asked not to; the root never does, its backward comes first) and
+  hook the outputs so the group is gathered again, and the one before it prefetched, when their
+  gradients arrive;
+* backward: each unsharded parameter's post-accumulate hook moves its gradient into the flat
+  gradient buffer; when a group has them all, its reduce-scatter starts asynchronously;
+* at the end of backward (an autograd callback queued by the root): reduce what is left (unused
+  parameters get zeros), wait for every reduce-scatter, set the sharded ``.grad`` views and
+  reshard everything.
+
+Recomputation under activation checkpointing runs forward hooks inside backward; they then only
+make sure the parameters are unsharded and never reshard.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
+from raggedfsdp.fsdp.param_group import ParamGroup
+
+__all__ = ["FSDPState", "RootContext", "backward_in_progress"]
+
+_LIVE_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def backward_in_progress() -> bool:
+    """True while some root's backward has not finished reducing gradients."""
+    return any(ctx.backward_active for ctx in _LIVE_CONTEXTS)
+
+
+class RootContext:
+    """Shared by all states under one root: forward order, streams, end-of-backward work."""
+
+    def __init__(self, states: list[FSDPState]) -> None:
+        self.states = states
+        self.forward_order: list[FSDPState] = []
+        self.order_recorded = False
+        self.backward_active = False
+        self._streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] | None = None
+        _LIVE_CONTEXTS.add(self)
+
+    def comm_streams(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
+        """(all-gather stream, reduce-scatter stream) on CUDA, so communication overlaps
+        compute; ``(None, None)`` elsewhere."""
+        if self._streams is None:
+            device = next((s.group.device for s in self.states if s.group), None)
+            if device is not None and device.type == "cuda":
+                with torch.cuda.device(device):
+                    self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
+            else:
+                self._streams = (None, None)
+        return self._streams
+
+    def next_after(self, state: FSDPState, step: int) -> FSDPState | None:
+        """The state that ran ``step`` places after ``state`` in the last forward."""
+        if not self.order_recorded or state not in self.forward_order:
+            return None
+        i = self.forward_order.index(state) + step
+        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+
+    def start_backward(self) -> None:
+        if not self.backward_active:
+            self.backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        groups = [s.group for s in self.states if s.group is not None]
+        for group in groups:
+            if group.requires_gradient_sync and group.has_unreduced_grads and not group._reduce:
+                group.reduce_grads()
+        for group in groups:
+            group.finish_reduce()
+            group.reshard()
+            group.arrived = 0
+        self.backward_active = False
+
+
+class FSDPState:
+    """Hooks and settings of one ``fully_shard``-ed module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
+        self.module_ref = weakref.ref(module)
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = mp_policy
+        self.ctx: RootContext | None = None
+        self.is_root = False
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, prepend=False)
+        if group is not None:
+            for i, mp in enumerate(group.params):
+                if mp.unsharded.requires_grad:
+                    mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(i))
+
+    # ----------------------------------------------------------------------------- set-up
+    def _lazy_init(self) -> None:
+        if self.ctx is not None:
+            return
+        root = self.module_ref()
+        states = [m._raggedfsdp_state for m in root.modules() if hasattr(m, "_raggedfsdp_state")]
+        ctx = RootContext(states)
+        for state in states:
+            if state.ctx is None:
+                state.ctx = ctx
+        self.is_root = True
+
+    # ----------------------------------------------------------------------------- forward
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self._lazy_init()
+        ctx = self.ctx
+        if not _in_backward() and not ctx.order_recorded and self not in ctx.forward_order:
+            ctx.forward_order.append(self)
+        if self.group is not None:
+            self.group.unshard()
+            self.group.use_unsharded_params()
+        if not _in_backward():
+            nxt = ctx.next_after(self, +1)
+            if nxt is not None and nxt.group is not None:
+                nxt.group.unshard(async_op=True)
+        mp = self.mp_policy
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if _in_backward():  # recomputation for activation checkpointing: backward needs them
+            return output
+        ctx = self.ctx
+        if self.is_root:
+            ctx.order_recorded = True
+        if self.group is not None and self.reshard_after_forward and not self.is_root:
+            self.group.reshard()
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if tensors:
+            register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    # ----------------------------------------------------------------------------- backward
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        ctx.start_backward()
+        if self.group is not None:
+            self.group.unshard()
+        prev = ctx.next_after(self, -1)
+        if prev is not None and prev.group is not None:
+            prev.group.unshard(async_op=True)
+
+    def _grad_hook(self, index: int) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            group = self.group
+            self.ctx.start_backward()
+            group.accumulate_grad(index, param)
+            if group.requires_gradient_sync and group.arrived == group.num_trainable:
+                group.reduce_grads()
+
+        return hook
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
+    )

@@ -1,0 +1,311 @@
+"""``RaggedTensor``: a tensor that reports its global shape but stores only this rank's units.
+
+Sharded parameters must not lie about their shape (DeepSpeed's ``(0,)`` parameters break user
+code and optimizers), yet optimizers must be able to update them without communication. A
+``RaggedTensor`` is a wrapper subclass (like DTensor) with the global shape and dtype whose data is
+a 1-D local tensor, usually a view of a flat buffer, plus the ``RaggedShard`` saying which
+elements those are.
+
+Element-wise math works directly on it: pointwise ops (``mul_``, ``lerp_``, ``addcdiv_``...),
+their ``_foreach_`` forms and ``*_like`` factories run on the local pieces when every ragged
+operand has the same spec, which is all ``torch.optim.AdamW`` and friends need. Anything that
+would need other ranks' data (matmul, reductions, views) raises an error that says what to do
+instead: ``full_tensor()`` to gather, ``raggedfsdp.clip_grad_norm_`` for norms.
+
+It also speaks DCP's checkpoint protocol: a rank's flat range is written as the rectangular boxes
+it covers, so ``torch.distributed.checkpoint`` saves without gathering and loads at any other
+world size or layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from raggedfsdp.sharding.ragged_shard import Box, RaggedShard
+
+__all__ = ["RaggedTensor"]
+
+aten = torch.ops.aten
+
+
+class RaggedTensor(torch.Tensor):
+    """Global-shape view of this rank's ragged piece of a tensor.
+
+    Args:
+        local: this rank's elements, 1-D, ``spec.length(rank)`` long.
+        spec: how the tensor is split over the ranks of ``group``.
+        rank: this process's rank in ``group``.
+        group: the process group of the shard dimension (``None``: default group, or a single
+            process when torch.distributed is not initialised).
+    """
+
+    _local: torch.Tensor
+    _spec: RaggedShard
+    _rank: int
+    _group: dist.ProcessGroup | None
+
+    __slots__ = ("_group", "_local", "_rank", "_spec")
+
+    @staticmethod
+    def __new__(
+        cls,
+        local: torch.Tensor,
+        spec: RaggedShard,
+        rank: int,
+        group: dist.ProcessGroup | None = None,
+        requires_grad: bool = False,
+    ) -> RaggedTensor:
+        if local.dim() != 1 or local.numel() != spec.length(rank):
+            raise ValueError(
+                f"local: rank {rank} of tensor {spec.name!r} holds {spec.length(rank)} elements "
+                f"as a 1-D tensor, got shape {tuple(local.shape)}"
+            )
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
+        )
+        out._local, out._spec, out._rank, out._group = local, spec, rank, group
+        return out
+
+    # ----------------------------------------------------------------------------- accessors
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's elements (1-D; a view of the group's flat buffer for FSDP parameters)."""
+        return self._local
+
+    @property
+    def ragged_shard(self) -> RaggedShard:
+        return self._spec
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """``(start, stop)`` of the local piece in the tensor's flat (row-major) storage."""
+        return self._spec.local_range(self._rank)
+
+    def full_tensor(self) -> torch.Tensor:
+        """Gather the whole tensor on every rank (for inspection and tests, not the hot path).
+
+        Uses an all-gather of pieces padded to the longest one: gloo has no uneven all-gather.
+        """
+        spec = self._spec
+        world = spec.world_size
+        if world == 1:
+            return self._local.detach().clone().view(spec.shape)
+        longest = max(spec.lengths)
+        padded = self._local.new_zeros(longest)
+        padded[: self._local.numel()] = self._local.detach()
+        gathered = self._local.new_empty(world * longest)
+        dist.all_gather_single(gathered, padded, group=self._group)
+        pieces = [gathered[r * longest : r * longest + spec.length(r)] for r in range(world)]
+        return torch.cat(pieces).view(spec.shape)
+
+    def __repr__(self) -> str:  # the default repr would dispatch ops we refuse
+        return (
+            f"RaggedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"rank={self._rank}/{self._spec.world_size}, local={self._local!r})"
+        )
+
+    def __reduce_ex__(self, protocol: int):
+        raise TypeError(
+            "a RaggedTensor holds only this rank's piece: save it with torch.distributed."
+            "checkpoint (DCP), or pickle .full_tensor() / .local explicitly"
+        )
+
+    # ----------------------------------------------------------------------------- dispatch
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _SPECIAL.get(func)
+        if handler is not None:
+            return handler(func, args, kwargs)
+        if func.name().startswith("aten::_foreach_"):
+            return _foreach(func, args, kwargs)
+        if torch.Tag.pointwise in func.tags:
+            return _pointwise(func, args, kwargs)
+        raise NotImplementedError(
+            f"{func.name()} needs the whole tensor, but a RaggedTensor holds only this rank's "
+            f"piece of {cls._describe(args)}. Gather it with .full_tensor() (or unshard the "
+            "module), use .local for per-rank math, and raggedfsdp.clip_grad_norm_ for norms."
+        )
+
+    @staticmethod
+    def _describe(args: Any) -> str:
+        ragged = [a for a in tree_flatten(args)[0] if isinstance(a, RaggedTensor)]
+        return repr(ragged[0]._spec.name or tuple(ragged[0].shape)) if ragged else "a tensor"
+
+    # ----------------------------------------------------------------------------- DCP protocol
+    def _boxes(self) -> list[tuple[Box, int, int]]:
+        """The rectangular boxes of the local piece with their local flat ranges."""
+        out, cursor = [], 0
+        for box in self._spec.boxes(self._rank):
+            out.append((box, cursor, cursor + box.numel))
+            cursor += box.numel
+        return out
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+        from torch.distributed.checkpoint.planner_helpers import _create_write_item_for_tensor
+
+        properties = _create_write_item_for_tensor(fqn, self._local).tensor_data.properties
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(box.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes)),
+                    properties=properties,
+                    size=self.size(),
+                ),
+            )
+            for box, _, _ in self._boxes()
+        ]
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [
+            ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.sizes))
+            for box, _, _ in self._boxes()
+        ]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        for box, start, stop in self._boxes():
+            if torch.Size(box.offsets) == index.offset:
+                return self._local[start:stop].view(box.sizes)
+        raise ValueError(f"{index.fqn}: no local chunk at offset {tuple(index.offset)}")
+
+
+# --------------------------------------------------------------------------------- op handlers
+def _spec_of(tensors: list[RaggedTensor]) -> RaggedTensor:
+    first = tensors[0]
+    for t in tensors[1:]:
+        if t._spec != first._spec or t._rank != first._rank:
+            raise ValueError(
+                f"RaggedTensors of {first._spec.name!r} and {t._spec.name!r} are split "
+                "differently; element-wise math needs the same RaggedShard on both"
+            )
+    return first
+
+
+def _check_no_plain_tensors(args: Any, like: RaggedTensor) -> None:
+    for a in tree_flatten(args)[0]:
+        if isinstance(a, torch.Tensor) and not isinstance(a, RaggedTensor) and a.numel() > 1:
+            raise ValueError(
+                f"mixing a RaggedTensor ({like._spec.name!r}) with a plain tensor of shape "
+                f"{tuple(a.shape)}: wrap it with the same RaggedShard, or use .local"
+            )
+
+
+def _wrap(out: Any, like: RaggedTensor) -> Any:
+    return tree_map_only(
+        torch.Tensor,
+        lambda t: (
+            RaggedTensor(t, like._spec, like._rank, like._group)
+            if t.dim() == 1 and t.numel() == like._local.numel()
+            else t
+        ),
+        out,
+    )
+
+
+def _unwrap(x: Any) -> Any:
+    return tree_map_only(RaggedTensor, lambda t: t._local, x)
+
+
+def _pointwise(func, args, kwargs):
+    ragged = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, RaggedTensor)]
+    like = _spec_of(ragged)
+    _check_no_plain_tensors((args, kwargs), like)
+    out = func(*_unwrap(args), **_unwrap(kwargs))
+    if func._schema.is_mutable:  # in-place / out=: the ragged operands were updated in place
+        return args[0]
+    return _wrap(out, like)
+
+
+def _foreach(func, args, kwargs):
+    base = func._schema.name.removeprefix("aten::_foreach_").rstrip("_")
+    packet = getattr(aten, base, None)
+    elementwise = base in ("zero", "copy") or (
+        packet is not None
+        and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+    )
+    if not elementwise:
+        raise NotImplementedError(
+            f"{func.name()} is not element-wise; on RaggedTensors use raggedfsdp.clip_grad_norm_ "
+            "for norms, or .full_tensor() to gather"
+        )
+    lists = [
+        a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)
+    ]
+    for i in range(len(lists[0])):
+        ragged = [lst[i] for lst in lists if isinstance(lst[i], RaggedTensor)]
+        if ragged:
+            _spec_of(ragged)
+    out = func(*_unwrap(args), **_unwrap(kwargs))
+    if out is None or func._schema.is_mutable:
+        return out
+    return [
+        _wrap(o, like) if isinstance(like, RaggedTensor) else o
+        for o, like in zip(out, lists[0], strict=True)
+    ]
+
+
+def _like_factory(func, args, kwargs):
+    src = args[0]
+    kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
+    local = func(src._local, *args[1:], **kwargs)
+    return RaggedTensor(local, src._spec, src._rank, src._group)
+
+
+def _same_spec_unary(func, args, kwargs):
+    src = args[0]
+    return RaggedTensor(func(src._local, *args[1:], **kwargs), src._spec, src._rank, src._group)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(dst, RaggedTensor):
+        if isinstance(src, RaggedTensor):
+            _spec_of([dst, src])
+            dst._local.copy_(src._local, **kwargs)
+        elif src.numel() == dst.numel():  # a full tensor: keep this rank's piece of it
+            start, stop = dst.local_range
+            dst._local.copy_(src.reshape(-1)[start:stop], **kwargs)
+        else:
+            dst._local.copy_(src, **kwargs)  # scalar broadcast
+        return dst
+    raise NotImplementedError("copying a RaggedTensor into a plain tensor: use .full_tensor()")
+
+
+def _in_place_local(func, args, kwargs):
+    func(args[0]._local, *_unwrap(args[1:]), **kwargs)
+    return args[0]
+
+
+def _equal(func, args, kwargs):
+    a, b = args
+    if isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor) and a._spec == b._spec:
+        return torch.equal(a._local, b._local)
+    raise NotImplementedError("torch.equal on RaggedTensors needs the same RaggedShard")
+
+
+_SPECIAL = {
+    aten.detach.default: _same_spec_unary,
+    aten.alias.default: _same_spec_unary,
+    aten.clone.default: lambda f, a, k: _same_spec_unary(
+        f, a, {x: v for x, v in k.items() if x != "memory_format"}
+    ),
+    aten._to_copy.default: _same_spec_unary,
+    aten.zeros_like.default: _like_factory,
+    aten.ones_like.default: _like_factory,
+    aten.empty_like.default: _like_factory,
+    aten.full_like.default: _like_factory,
+    aten.copy_.default: _copy_,
+    aten.zero_.default: _in_place_local,
+    aten.fill_.Scalar: _in_place_local,
+    aten.equal.default: _equal,
+}

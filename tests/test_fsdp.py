@@ -1,0 +1,289 @@
+"""fully_shard: training parity with one process and with PyTorch FSDP2, HSDP, mixed precision,
+checkpointing, gradient accumulation, zero-copy buffers and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from raggedfsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from raggedfsdp.sharding import RaggedTensor, row_units
+from tests.tiny_models import batch, loss_fn, make_model
+
+ROWS = 12  # global batch rows: divisible by every world size tested
+
+
+def _my_rows(x: torch.Tensor) -> torch.Tensor:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    per = x.shape[0] // world
+    return x[rank * per : (rank + 1) * per]
+
+
+def _shard(model: nn.Module, **kwargs) -> nn.Module:
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    return fully_shard(model, **kwargs)
+
+
+def _train(model, opt, steps: int, start: int = 0, sharded: bool = True, clip: float | None = None):
+    losses = []  # with clip: the norm before each step's loss
+    for step in range(start, start + steps):
+        inputs, targets = batch(step % 2, ROWS)  # two batches, alternating: the loss falls
+        if sharded:
+            inputs, targets = _my_rows(inputs), _my_rows(targets)
+        loss = loss_fn(model, inputs, targets)
+        loss.backward()
+        if clip is not None:
+            norm = clip_grad_norm_(model.parameters(), clip)
+            losses.append(norm.item())
+        opt.step()
+        opt.zero_grad()
+        if sharded and dist.is_initialized():
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def _max_diff(sharded: nn.Module, reference: nn.Module) -> float:
+    diffs = []
+    for (name, p), (ref_name, q) in zip(
+        sharded.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert name == ref_name
+        full = p.full_tensor() if isinstance(p, RaggedTensor) else p
+        diffs.append((full.detach().float() - q.detach().float()).abs().max().item())
+    return max(diffs)
+
+
+# ----------------------------------------------------------------------------- parity
+def _parity(steps: int, checkpoint: bool) -> dict:
+    world = dist.get_world_size()
+    reference = make_model()
+    ours = _shard(make_model(), shard_policy=row_units(1))
+    ours.checkpoint = checkpoint
+    ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps,
+                        sharded=False, clip=1.0)  # fmt: skip
+    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
+
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    peer = make_model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in peer.layers:
+        fsdp2_fully_shard(layer, mesh=mesh)
+    fsdp2_fully_shard(peer, mesh=mesh)
+    peer_opt = torch.optim.AdamW(peer.parameters(), lr=1e-2)
+    peer_losses = []
+    for step in range(steps):
+        inputs, targets = batch(step % 2, ROWS)
+        loss = loss_fn(peer, _my_rows(inputs), _my_rows(targets))
+        loss.backward()
+        peer_losses.append(torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0).item())
+        peer_opt.step()
+        peer_opt.zero_grad()
+        dist.all_reduce(loss := loss.detach().clone(), op=dist.ReduceOp.AVG)
+        peer_losses.append(loss.item())
+    peer_params = {n: p.full_tensor() for n, p in peer.named_parameters()}
+    ours_params = {n: p.full_tensor() for n, p in ours.named_parameters()}
+    return {
+        "vs_reference": _max_diff(ours, reference),
+        "loss_vs_reference": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
+        "vs_fsdp2": max((ours_params[n] - peer_params[n]).abs().max().item() for n in peer_params),
+        "bitwise_fsdp2": all(torch.equal(ours_params[n], peer_params[n]) for n in peer_params),
+        "losses": our_losses,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_training_matches_one_process_and_fsdp2(pool, world_size):
+    results = pool.run(_parity, 4, False)
+    for res in results:
+        assert res["vs_reference"] < 2e-5, res
+        assert res["loss_vs_reference"] < 2e-5, res
+        assert res["vs_fsdp2"] < 2e-5, res
+    losses = results[0]["losses"][1::2]
+    assert losses[2] < losses[0] and losses[3] < losses[1]  # the loss falls
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_activation_checkpointing_gives_the_same_training(pool):
+    plain = pool.run(_parity, 3, False)[0]
+    recomputed = pool.run(_parity, 3, True)[0]
+    assert plain["losses"] == recomputed["losses"]
+
+
+# ----------------------------------------------------------------------------- HSDP
+def _hsdp_vs_fsdp(steps: int) -> float:
+    flat = _shard(make_model())
+    flat_losses = _train(flat, torch.optim.AdamW(flat.parameters(), lr=1e-2), steps)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    hsdp = _shard(make_model(), mesh=mesh)
+    hsdp_losses = _train(hsdp, torch.optim.AdamW(hsdp.parameters(), lr=1e-2), steps)
+    params = {n: p.full_tensor() for n, p in flat.named_parameters()}
+    diff = max((p.full_tensor() - params[n]).abs().max().item() for n, p in hsdp.named_parameters())
+    return max(diff, max(abs(a - b) for a, b in zip(flat_losses, hsdp_losses, strict=True)))
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hsdp_2x2_matches_1d(pool):
+    assert max(pool.run(_hsdp_vs_fsdp, 3)) < 2e-5
+
+
+# ----------------------------------------------------------------------------- mixed precision
+def _mixed_precision(steps: int) -> dict:
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = _shard(make_model(), mp_policy=policy)
+    reference = make_model()
+    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
+    ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps,
+                        sharded=False)  # fmt: skip
+    dtypes = {p.dtype for p in ours.parameters()} | {p.grad is None for p in ours.parameters()}
+    return {
+        "loss_diff": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
+        "param_diff": _max_diff(ours, reference),
+        "master_dtypes": dtypes,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_bf16_compute_with_fp32_master_and_reduction(pool):
+    for res in pool.run(_mixed_precision, 3):
+        assert res["master_dtypes"] == {torch.float32, True}
+        assert res["loss_diff"] < 3e-2 and res["param_diff"] < 3e-2, res
+
+
+# ----------------------------------------------------------------------------- accumulation
+def _accumulation() -> float:
+    ours = _shard(make_model())
+    inputs, targets = batch(0, ROWS)
+    inputs, targets = _my_rows(inputs), _my_rows(targets)
+    half = inputs.shape[0] // 2 or 1
+    ours.set_requires_gradient_sync(False)
+    (loss_fn(ours, inputs[:half], targets[:half]) * 0.5).backward()
+    no_comm = all(p.grad is None for p in ours.parameters())
+    ours.set_requires_gradient_sync(True)
+    (loss_fn(ours, inputs[half:], targets[half:]) * 0.5).backward()
+    accumulated = {n: p.grad.full_tensor() for n, p in ours.named_parameters()}
+    whole = _shard(make_model())
+    loss_fn(whole, inputs, targets).backward()
+    assert no_comm, "gradients were reduced while sync was off"
+    return max(
+        (p.grad.full_tensor() - accumulated[n]).abs().max().item()
+        for n, p in whole.named_parameters()
+    )
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_gradient_accumulation_without_sync(pool):
+    assert max(pool.run(_accumulation)) < 1e-6
+
+
+# ----------------------------------------------------------------------------- zero copy
+def _zero_copy() -> dict:
+    model = _shard(make_model())
+    layer = model.layers[0]
+    group = layer._raggedfsdp_state.group
+    sharded_views = all(
+        p.local.untyped_storage().data_ptr() == group.master.shard.untyped_storage().data_ptr()
+        for p in layer.parameters()
+    )
+    loss = loss_fn(model, *batch(0, 2))
+    freed_after_forward = not group.compute.is_full_allocated
+    layer.unshard()
+    unsharded_views = all(
+        p.untyped_storage().data_ptr() == group.compute.full.untyped_storage().data_ptr()
+        for p in layer.parameters()
+    )
+    layer.reshard()
+    loss.backward()
+    grad_views = all(
+        p.grad.local.untyped_storage().data_ptr() == group.grads.shard.untyped_storage().data_ptr()
+        for p in layer.parameters()
+    )
+    return {
+        "sharded_params_view_flat_shard": sharded_views,
+        "unsharded_params_view_gathered_buffer": unsharded_views,
+        "sharded_grads_view_reduce_output": grad_views,
+        "unsharded_freed_after_forward": freed_after_forward,
+        "freed_after_backward": not group.compute.is_full_allocated
+        and not group.grads.is_full_allocated,
+    }
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_parameters_and_gradients_are_views_of_the_flat_buffers(pool):
+    for res in pool.run(_zero_copy):
+        assert all(res.values()), res
+
+
+# ----------------------------------------------------------------------------- checkpointing
+def _save(path: str, steps: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model = _shard(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, steps)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path)
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return full
+
+
+def _load(path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    model = _shard(make_model(seed=123))  # different init: everything must come from disk
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_dcp_save_at_4_load_at_3_and_1(dist_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = dist_pool(4).run(_save, path, 2)[0]
+    for world in (3, 1):
+        for loaded in dist_pool(world).run(_load, path):
+            assert saved.keys() == loaded.keys()
+            for name in saved:
+                assert torch.equal(saved[name], loaded[name]), (world, name)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_bad_input_is_refused_with_clear_errors():
+    model = make_model()
+    fully_shard(model.layers[0])
+    with pytest.raises(ValueError, match="already wrapped"):
+        fully_shard(model.layers[0])
+    tied = make_model()
+    tied.head.weight = tied.embed.weight
+    fully_shard(tied.layers[0])
+    fully_shard(tied)  # tied weights inside one group are fine
+    assert tied._raggedfsdp_state.group.layout.by_name.keys() >= {"embed.weight"}
+    split = make_model()
+    split.layers[1].w1.weight = split.layers[0].w1.weight
+    fully_shard(split.layers[0])
+    with pytest.raises(
+        ValueError, match=r"w1\.weight.* already sharded by the fully_shard call on Block"
+    ):
+        fully_shard(split.layers[1])
+    mixed = make_model()
+    mixed.layers[0].w1.to(torch.float64)
+    with pytest.raises(ValueError, match="one fully_shard group holds one dtype"):
+        fully_shard(mixed.layers[0])
+    fully_shard(mixed.layers[0].w1)  # the fix the error suggests works
+    fully_shard(mixed.layers[0])
+
+
+def test_unsharded_params_report_global_shapes_and_gather():
+    model = make_model()
+    reference = make_model()
+    _shard(model)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert isinstance(p, nn.Parameter) and isinstance(p, RaggedTensor), name
+        assert p.shape == q.shape and p.dtype == q.dtype
+        assert torch.equal(p.full_tensor(), q.detach())
+    with pytest.raises(NotImplementedError, match="full_tensor"):
+        model.head.weight @ model.head.weight.T
