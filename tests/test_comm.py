@@ -79,17 +79,20 @@ def _check_all_gather() -> None:
 
 def _check_reduce_scatter() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    for size, op, in_place, async_op in itertools.product(
-        (0, 6), ("sum", "avg"), (False, True), (False, True)
+    for size, op, in_place, async_op, scratch in itertools.product(
+        (0, 6), ("sum", "avg"), (False, True), (False, True), (False, True)
     ):
-        case = f"size={size} op={op} in_place={in_place} async={async_op}"
+        case = f"size={size} op={op} in_place={in_place} async={async_op} scratch={scratch}"
         inputs = [_ints(r, world * size) for r in range(world)]
         reference = torch.stack(inputs).sum(0)[rank * size : (rank + 1) * size]
         if op == "avg":
             reference = reference / world
         full_in = inputs[rank].clone()
         shard_out = full_in[rank * size : (rank + 1) * size] if in_place else torch.empty(size)
-        _finish(reduce_scatter_flat(shard_out, full_in, op=op, async_op=async_op), async_op)
+        handle = reduce_scatter_flat(
+            shard_out, full_in, op=op, async_op=async_op, scratch_input=scratch
+        )
+        _finish(handle, async_op)
         assert torch.equal(shard_out, reference), case
     # Real floats: the summation order is the backend's, so compare with a tolerance.
     size = 33

@@ -200,8 +200,10 @@ def _zero_copy() -> dict:
     )
     layer.reshard()
     loss.backward()
-    grad_views = all(
-        p.grad.local.untyped_storage().data_ptr() == group.grads.shard.untyped_storage().data_ptr()
+    # all sharded grads of the group are views of one S-element segment: the reduce output
+    storages = {p.grad.local.untyped_storage().data_ptr() for p in layer.parameters()}
+    grad_views = len(storages) == 1 and all(
+        p.grad.local.untyped_storage().nbytes() == 4 * group.layout.segment_size
         for p in layer.parameters()
     )
     return {
@@ -287,3 +289,84 @@ def test_unsharded_params_report_global_shapes_and_gather():
         assert torch.equal(p.full_tensor(), q.detach())
     with pytest.raises(NotImplementedError, match="full_tensor"):
         model.head.weight @ model.head.weight.T
+
+
+def _resume(path: str, save: bool, steps: int) -> list[float]:
+    """Train 2 steps and checkpoint (model + optimizer), or load that checkpoint; then train
+    ``steps`` more and return the losses."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _shard(make_model(seed=0 if save else 7))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if save:
+        _train(model, opt, 2)
+        model_sd, opt_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
+    else:
+        _train(model, opt, 1)  # create optimizer state to load into
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": opt_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _train(model, opt, steps, start=2)
+
+
+def test_resumed_training_continues(dist_pool, tmp_path):
+    path = str(tmp_path / "resume")
+    continued = dist_pool(4).run(_resume, path, True, 2)[0]
+    same_world = dist_pool(4).run(_resume, path, False, 2)[0]
+    assert same_world == continued  # bitwise
+    other_world = dist_pool(3).run(_resume, path, False, 2)[0]
+    assert max(abs(a - b) for a, b in zip(other_world, continued, strict=True)) < 1e-5
+
+
+def _step_inside_backward() -> str:
+    model = _shard(make_model())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss = loss_fn(model, *batch(0, 2))
+    loss.register_hook(lambda g: opt.step())  # runs while backward is in progress
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_optimizer_step_before_backward_finished_is_refused(pool):
+    for message in pool.run(_step_inside_backward):
+        assert "before backward finished" in message
+
+
+def test_mesh_for_another_device_is_refused():
+    class FakeMesh:
+        device_type = "cuda"
+
+    from raggedfsdp.comm import ShardMesh
+
+    mesh = ShardMesh(None, 0, 1, device_mesh=FakeMesh())
+    model = make_model()
+    with pytest.raises(ValueError, match="'cuda' DeviceMesh but parameter"):
+        fully_shard(model.layers[0], mesh=mesh)
+    fully_shard(model.layers[0])  # nothing was changed by the refused call
+
+
+def _checkpoint_wrapper_parity(steps: int) -> float:
+    """torchtitan-style activation checkpointing: the block is wrapped by checkpoint_wrapper
+    and fully_shard goes on the wrapper, so recomputation bypasses the FSDP hooks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    reference = make_model()
+    ours = make_model()
+    ours.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in ours.layers)
+    _shard(ours)
+    ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps,
+                        sharded=False)  # fmt: skip
+    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
+    return max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True))
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_checkpoint_wrapper_recomputes_with_unsharded_params(pool):
+    assert max(pool.run(_checkpoint_wrapper_parity, 3)) < 2e-5

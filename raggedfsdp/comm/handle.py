@@ -36,7 +36,7 @@ class CommHandle:
     already waited, so callers never branch on the mode.
     """
 
-    __slots__ = ("_device", "_event", "_keep_alive", "_work")
+    __slots__ = ("_device", "_event", "_keep_alive", "_then", "_work")
 
     def __init__(
         self,
@@ -44,11 +44,13 @@ class CommHandle:
         event: torch.cuda.Event | None = None,
         device: torch.device | None = None,
         keep_alive: tuple[Tensor, ...] = (),
+        then: Callable[[], None] | None = None,
     ) -> None:
         self._work = work
         self._event = event
         self._device = device
         self._keep_alive = keep_alive
+        self._then = then  # local finishing step after the collective (on the waiting stream)
 
     def wait(self) -> None:
         """Block (CPU) or order the current stream (CUDA) after the collective, then release it.
@@ -60,9 +62,19 @@ class CommHandle:
             self._work.wait()
         if self._event is not None:
             self._event.wait(torch.cuda.current_stream(self._device))
+        then, self._then = self._then, None
+        if then is not None:
+            then()
         self._work = None
         self._event = None
         self._keep_alive = ()
+
+    def is_completed(self) -> bool:
+        """Whether the collective has finished (never blocks): lets callers release buffers
+        as soon as possible instead of at a fixed point."""
+        if self._work is not None and not self._work.is_completed():
+            return False
+        return self._event is None or self._event.query()
 
 
 def launch(
@@ -70,14 +82,16 @@ def launch(
     tensors: tuple[Tensor, ...],
     async_op: bool,
     comm_stream: torch.cuda.Stream | None,
+    then: Callable[[], None] | None = None,
 ) -> CommHandle:
     """Issue a collective through ``issue(async_op)`` and wrap the result in a handle.
 
     ``tensors`` are all tensors the collective reads or writes; they stay referenced until the
     handle is waited. ``comm_stream`` applies only to CUDA tensors (see the module docstring).
+    ``then`` runs when the handle is waited, after the collective.
     """
     if comm_stream is None or not tensors[0].is_cuda:
-        handle = CommHandle(work=issue(async_op), keep_alive=tensors)
+        handle = CommHandle(work=issue(async_op), keep_alive=tensors, then=then)
     else:
         device = tensors[0].device
         if comm_stream.device != device:
@@ -88,7 +102,7 @@ def launch(
             # the host does not block.
             issue(False)
             done = comm_stream.record_event()
-        handle = CommHandle(event=done, device=device, keep_alive=tensors)
+        handle = CommHandle(event=done, device=device, keep_alive=tensors, then=then)
     if not async_op:
         handle.wait()
     return handle

@@ -95,14 +95,9 @@ class ParamGroup:
             if compute_dtype == self.orig_dtype
             else FlatBuffer(self.layout, rank, compute_dtype, self.device)
         )
-        self.grads = FlatBuffer(self.layout, rank, reduce_dtype, self.device)
-        # Sharded gradients in the parameters' dtype: the reduce-scatter output itself when the
-        # dtypes agree, else a cast copy of it.
-        self.grad_shard = (
-            self.grads.shard
-            if reduce_dtype == self.orig_dtype
-            else torch.zeros_like(self.master.shard)
-        )
+        # Only the full gradient buffer persists (as storage that is freed between backwards);
+        # sharded gradients are fresh tensors per reduction, freed by zero_grad(set_to_none).
+        self.grads = FlatBuffer(self.layout, rank, reduce_dtype, self.device, with_shard=False)
         for mp in params:
             spec = self.layout.shards[mp.fqn]
             local = self.master.shard_view(mp.fqn)
@@ -117,6 +112,8 @@ class ParamGroup:
         self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
         self.arrived = 0  # gradients accumulated during the current backward
         self.num_trainable = sum(mp.requires_grad for mp in params)
+        self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
+        self.defer_flatten = False  # set by the root for groups with wrapped submodules
         self.requires_gradient_sync = True
         self.use_sharded_params()
 
@@ -179,18 +176,38 @@ class ParamGroup:
 
     # ----------------------------------------------------------------------------- gradients
     def accumulate_grad(self, index: int, param: nn.Parameter) -> None:
-        """Post-accumulate hook of unsharded parameter ``index``: move its fresh gradient into
-        the flat gradient buffer (one copy, cast if needed) and free it right away."""
+        """Post-accumulate hook of unsharded parameter ``index``: take its fresh gradient.
+
+        Normally it goes straight into the flat gradient buffer (one copy, cast if needed) and
+        is freed, so a block holds one flat buffer instead of all its gradients. A group whose
+        gradients arrive spread over the whole backward (the root: the head's first, the
+        embedding's last, with every block in between) holds them instead until the last one,
+        so its flat buffer does not sit idle through the backward (``defer_flatten``).
+        """
         grad = param.grad
         param.grad = None
         if grad is None:
             return
+        self.arrived += 1
+        if self.grads.is_full_allocated or not self.defer_flatten:
+            self._write_grad(index, grad)
+            return
+        self._held[index] = grad
+        if self.arrived == self.num_trainable:
+            self.flush_held_grads()
+
+    def flush_held_grads(self) -> None:
+        """Move held gradients into the flat buffer, freeing each one once copied."""
+        while self._held:
+            index = next(iter(self._held))
+            self._write_grad(index, self._held.pop(index))
+
+    def _write_grad(self, index: int, grad: torch.Tensor) -> None:
         if not self.grads.is_full_allocated:
             self.grads.alloc_full()
             self.grads.zero_full_padding()
             self._received.clear()
         view = self.grads.full_view(self.params[index].fqn)
-        self.arrived += 1
         with torch.no_grad():
             if index in self._received:  # accumulation without sync across micro-batches
                 view.add_(grad)
@@ -200,21 +217,17 @@ class ParamGroup:
 
     @property
     def has_unreduced_grads(self) -> bool:
-        return self.grads.is_full_allocated
+        return self.grads.is_full_allocated or bool(self._held)
 
     def reduce_grads(self) -> None:
-        """Reduce-scatter the flat gradient buffer (in place, averaged) and, for HSDP, all-reduce
-        over the replicas; asynchronous, finished by ``finish_reduce``."""
+        """Reduce-scatter the flat gradient buffer (in place, averaged) into a fresh segment;
+        asynchronous, finished by ``finish_reduce``."""
+        self.flush_held_grads()
         with torch.no_grad():
             for i, mp in enumerate(self.params):  # parameters that got no gradient this window
                 if i not in self._received and mp.requires_grad:
                     self.grads.full_view(mp.fqn).zero_()
-            accumulate = any(mp.sharded.grad is not None for mp in self.params)
-            out = (
-                self.grads.shard
-                if not accumulate and self.grad_shard is self.grads.shard
-                else torch.empty_like(self.grads.shard)
-            )
+            out = self.grads.full.new_empty(self.layout.segment_size)
             handle = reduce_scatter_flat(
                 out,
                 self.grads.full,
@@ -222,11 +235,17 @@ class ParamGroup:
                 op="avg",
                 async_op=True,
                 comm_stream=self._comm_streams()[1],
+                scratch_input=True,  # freed right after: gloo may reduce it in place
             )
         self._reduce = (handle, out)
 
+    def reduce_completed(self) -> bool:
+        return self._reduce is None or self._reduce[0].is_completed()
+
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter, free the full gradient buffer and set sharded grads."""
+        """Wait for the reduce-scatter, free the full gradient buffer and set the sharded
+        ``.grad`` of each parameter: a view of the reduced segment (cast to the parameters'
+        dtype if the reduction ran in another), or added to a ``.grad`` kept from before."""
         if self._reduce is None:
             return
         handle, out = self._reduce
@@ -237,30 +256,19 @@ class ParamGroup:
         self.grads.free_full()
         received = set(self._received)
         self._received.clear()
+        if out.dtype != self.orig_dtype:
+            out = out.to(self.orig_dtype)
         rank, group = self.mesh.shard_rank, self.mesh.shard_group
         with torch.no_grad():
             for i, mp in enumerate(self.params):
                 if not mp.requires_grad or i not in received:
                     continue
-                name = mp.fqn
-                existing = mp.sharded.grad
-                if existing is not None:
-                    existing.local.add_(_piece(self.layout, rank, name, out))
-                    continue
-                if out is not self.grad_shard:
-                    _piece(self.layout, rank, name, self.grad_shard).copy_(
-                        _piece(self.layout, rank, name, out)
-                    )
-                local = _piece(self.layout, rank, name, self.grad_shard)
-                mp.sharded.grad = RaggedTensor(local, self.layout.shards[name], rank, group)
-
-
-def _piece(layout: Layout, rank: int, name: str, segment: torch.Tensor) -> torch.Tensor:
-    """Tensor ``name``'s piece of this rank's ``segment`` (a flat tensor of S elements)."""
-    start, _ = layout.segment(rank)
-    tensor_start = layout.offsets[name]
-    lo, hi = layout.shards[name].local_range(rank)
-    return segment[tensor_start + lo - start : tensor_start + hi - start]
+                local = self.layout.segment_piece(mp.fqn, rank, out)
+                if mp.sharded.grad is not None:
+                    mp.sharded.grad.local.add_(local)
+                else:
+                    spec = self.layout.shards[mp.fqn]
+                    mp.sharded.grad = RaggedTensor(local, spec, rank, group)
 
 
 def _unit(policy: ShardPolicy, mp: ManagedParam) -> int:

@@ -55,6 +55,7 @@ class RootContext:
         self.forward_order: list[FSDPState] = []
         self.order_recorded = False
         self.backward_active = False
+        self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
         self._streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] | None = None
         _LIVE_CONTEXTS.add(self)
 
@@ -77,20 +78,50 @@ class RootContext:
         i = self.forward_order.index(state) + step
         return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
 
+    def next_in_backward(self, state: FSDPState) -> FSDPState | None:
+        """Backward runs the root's own layers first (the head), then the other modules in
+        reverse forward order."""
+        if state.is_root and self.order_recorded:
+            last = self.forward_order[-1]
+            return last if last is not state else None
+        return self.next_after(state, -1)
+
     def start_backward(self) -> None:
         if not self.backward_active:
             self.backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    def reduce(self, group: ParamGroup) -> None:
+        """Start ``group``'s reduce-scatter. On CUDA one stays in flight on its stream,
+        overlapping the next group's backward, and is finished when the next one starts, so
+        full gradient buffers never pile up. gloo only progresses (and reports completion of)
+        async work when it is waited on, so on CPU it is finished right away, which frees the
+        buffers (and gloo's internal copy of the input) at once."""
+        group.reduce_grads()
+        group.reshard()  # every gradient of the group is in: its parameters are done
+        self.reducing.append(group)
+        in_flight = 1 if group.device.type == "cuda" else 0
+        while len(self.reducing) > in_flight:
+            self.reducing.pop(0).finish_reduce()
+        self.release_finished_reduces()
+
+    def release_finished_reduces(self) -> None:
+        """Finish reduce-scatters that are already done, freeing their full gradient buffers."""
+        for group in [g for g in self.reducing if g.reduce_completed()]:
+            group.finish_reduce()
+            self.reducing.remove(group)
+
     def _finish_backward(self) -> None:
         groups = [s.group for s in self.states if s.group is not None]
-        for group in groups:
+        for group in groups:  # groups with unused parameters never completed: zeros for those
             if group.requires_gradient_sync and group.has_unreduced_grads and not group._reduce:
-                group.reduce_grads()
-        for group in groups:
+                self.reduce(group)
+        for group in [*self.reducing, *groups]:
+            group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
             group.finish_reduce()
             group.reshard()
             group.arrived = 0
+        self.reducing.clear()
         self.backward_active = False
 
 
@@ -127,6 +158,10 @@ class FSDPState:
         for state in states:
             if state.ctx is None:
                 state.ctx = ctx
+            module = state.module_ref()
+            nested = any(hasattr(m, "_raggedfsdp_state") for m in list(module.modules())[1:])
+            if state.group is not None:
+                state.group.defer_flatten = nested
         self.is_root = True
 
     # ----------------------------------------------------------------------------- forward
@@ -170,7 +205,10 @@ class FSDPState:
         ctx.start_backward()
         if self.group is not None:
             self.group.unshard()
-        prev = ctx.next_after(self, -1)
+            # recomputation (activation checkpointing) may run forward code that does not
+            # pass through this module's hooks (e.g. a checkpointed inner forward)
+            self.group.use_unsharded_params()
+        prev = ctx.next_in_backward(self)
         if prev is not None and prev.group is not None:
             prev.group.unshard(async_op=True)
 
@@ -178,9 +216,10 @@ class FSDPState:
         def hook(param: nn.Parameter) -> None:
             group = self.group
             self.ctx.start_backward()
+            self.ctx.release_finished_reduces()
             group.accumulate_grad(index, param)
             if group.requires_gradient_sync and group.arrived == group.num_trainable:
-                group.reduce_grads()
+                self.ctx.reduce(group)
 
         return hook
 

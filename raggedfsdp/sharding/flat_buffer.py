@@ -34,6 +34,8 @@ class FlatBuffer:
             (drop-in ZeRO-1/2 mode, where parameters stay replicated); otherwise the segment is
             its own allocation and the full buffer exists only between ``alloc_full`` and
             ``free_full`` (ZeRO-3 / FSDP mode).
+        with_shard: allocate the local segment; ``False`` for a buffer used only in full (a
+            reduce-scatter input whose outputs are fresh tensors), saving S elements.
     """
 
     def __init__(
@@ -44,6 +46,7 @@ class FlatBuffer:
         device: torch.device | str = "cpu",
         *,
         persistent_full: bool = False,
+        with_shard: bool = True,
     ) -> None:
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"rank={rank} is outside the layout's world of {layout.world_size}")
@@ -58,25 +61,26 @@ class FlatBuffer:
         if persistent_full:
             self.shard = self.full[start:stop]
         else:
-            self.shard = torch.zeros(seg, dtype=dtype, device=device)
+            self.shard = torch.zeros(seg if with_shard else 0, dtype=dtype, device=device)
         self._full_views = {
             t.name: self.full[off : off + t.numel].view(t.shape)
             for t, off in ((t, layout.offsets[t.name]) for t in layout.tensors)
         }
         self._shard_views = {name: self.shard[0:0] for name in layout.by_name}
-        for name, seg_off, _, length in layout.local_pieces(rank):
-            self._shard_views[name] = self.shard[seg_off : seg_off + length]
+        if self.shard.numel():
+            for name, seg_off, _, length in layout.local_pieces(rank):
+                self._shard_views[name] = self.shard[seg_off : seg_off + length]
         if not persistent_full:
             self.free_full()  # after making the views: a view of freed storage cannot be made
 
     # ----------------------------------------------------------------------------- views
     @property
     def dtype(self) -> torch.dtype:
-        return self.shard.dtype
+        return self.full.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.shard.device
+        return self.full.device
 
     def full_view(self, name: str) -> torch.Tensor:
         """The whole tensor ``name`` (global shape) as a view of the full buffer."""

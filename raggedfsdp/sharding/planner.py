@@ -179,6 +179,16 @@ class Layout:
                 pieces.append((t.name, lo - seg_start, lo - start, hi - lo))
         return pieces
 
+    def segment_piece(self, name: str, rank: int, segment: Any) -> Any:
+        """Tensor ``name``'s piece of ``segment`` (rank ``rank``'s S-element flat tensor, e.g. a
+        reduce-scatter output): ``segment[a:b]`` for the range this rank holds, maybe empty."""
+        start = self.offsets[name]
+        lo, hi = self.shards[name].local_range(rank)
+        seg_start = rank * self.segment_size
+        if lo == hi:
+            return segment[0:0]
+        return segment[start + lo - seg_start : start + hi - seg_start]
+
     def gaps(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of every stretch of padding in the global buffer, in order."""
         gaps, cursor = [], 0

@@ -1,0 +1,202 @@
+"""raggedfsdp.fully_shard vs PyTorch FSDP2, side by side in one process run (CPU, gloo).
+
+Both wrap the same LLaMA-style model (same init, same data, same torch.optim.AdamW) per block
+and at the root. Measured alternately (A B A B ...) in every rank, reported as ratios of
+medians (ours / FSDP2, lower is better):
+
+* unshard + reshard of one block (the all-gather path: FSDP2 copies shards in and the
+  gathered result out; ours gathers in place into the parameters' storage);
+* a full training step (forward, backward, optimizer step);
+* peak resident memory above the post-warm-up level during a step (unsharded parameters,
+  gradient buffers, copies, activations), measured with glibc returning freed memory to the OS
+  (REFERENCE §6: MALLOC_* variables set before the ranks start, VmHWM reset per step).
+
+    python benchmarks/fsdp_vs_fsdp2.py [--world-size 2] [--dim 512] [--layers 4] [--steps 8]
+        [--activation-checkpointing]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_TRIM_THRESHOLD_": "65536",
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.wqkv(self.norm1(x)).view(b, t, 3, self.heads, -1).unbind(2)
+        att = F.scaled_dot_product_attention(
+            *(z.transpose(1, 2) for z in (q, k, v)), is_causal=True
+        )
+        x = x + self.wo(att.transpose(1, 2).reshape(b, t, d))
+        gate, up = self.w13(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.w2(F.silu(gate) * up)
+
+
+class Model(nn.Module):
+    def __init__(self, vocab: int, dim: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, 3 * dim, max(1, dim // 64)) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def _peak_above_now(fn) -> float:
+    """Run ``fn`` and return its peak resident memory above the level before it, in MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status_kib("VmRSS")
+    fn()
+    return (_status_kib("VmHWM") - before) / 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    from raggedfsdp import fully_shard
+
+    torch.set_num_threads(max(1, os.cpu_count() // world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    models = {}
+    for name, wrap in (("ours", fully_shard), ("fsdp2", fsdp2_fully_shard)):
+        torch.manual_seed(0)
+        model = Model(args.vocab, args.dim, args.layers)
+        if args.activation_checkpointing:  # torchtitan style: shard the checkpoint wrapper
+            model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
+        for layer in model.layers:
+            wrap(layer, mesh=mesh)
+        wrap(model, mesh=mesh)
+        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+
+    def step(name: str) -> float:
+        model, opt = models[name]
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    def unshard_reshard(name: str) -> None:
+        block = models[name][0].layers[0]
+        block.unshard()
+        block.reshard()
+
+    for name in models:  # warm-up: optimizer state, allocator, gloo connections
+        step(name)
+        step(name)
+    times: dict[str, dict[str, list[float]]] = {
+        n: {"step": [], "gather": [], "mem": []} for n in models
+    }
+    losses = {}
+    for _ in range(args.steps):
+        for name in models:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.gather_repeats):
+                unshard_reshard(name)
+            times[name]["gather"].append((time.perf_counter() - t0) / args.gather_repeats)
+            dist.barrier()
+            t0 = time.perf_counter()
+            times[name]["mem"].append(
+                _peak_above_now(lambda n=name: losses.__setitem__(n, step(n)))
+            )
+            times[name]["step"].append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put({n: {k: statistics.median(v) for k, v in d.items()} | {"loss": losses[n]}
+                 for n, d in times.items()})  # fmt: skip
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--gather-repeats", type=int, default=5)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    args = parser.parse_args()
+    os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.start_processes(_worker, args=(args.world_size, port, args, out), nprocs=args.world_size,
+                       start_method="spawn")  # fmt: skip
+    res = out.get()
+    ours, peer = res["ours"], res["fsdp2"]
+    ratios = {
+        "unshard_reshard": ours["gather"] / peer["gather"],
+        "step": ours["step"] / peer["step"],
+        "peak_memory": ours["mem"] / peer["mem"],
+    }
+    params = sum(p.numel() for p in Model(args.vocab, args.dim, args.layers).parameters())
+    print(json.dumps({"benchmark": "fsdp_vs_fsdp2", "args": vars(args),
+                      "params": params, "ours": ours, "fsdp2": peer, "ratio": ratios}))  # fmt: skip
+    ac = ", activation checkpointing" if args.activation_checkpointing else ""
+    print(
+        f"\nW={args.world_size}, {params / 1e6:.1f}M parameters{ac}, medians of {args.steps} rounds"
+    )
+    print(f"{'':28s}{'raggedfsdp':>12s}{'FSDP2':>12s}{'ratio':>8s}")
+    rows = [("unshard+reshard (ms)", "gather", 1e3), ("training step (ms)", "step", 1e3),
+            ("peak above resident (MiB)", "mem", 1.0)]  # fmt: skip
+    for label, key, scale in rows:
+        print(f"{label:28s}{ours[key] * scale:12.2f}{peer[key] * scale:12.2f}"
+              f"{ours[key] / peer[key]:8.2f}")  # fmt: skip
+    print(f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f}")
+
+
+if __name__ == "__main__":
+    main()
