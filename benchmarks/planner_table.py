@@ -17,7 +17,7 @@ import argparse
 import json
 from importlib import resources
 
-from raggedfsdp.sharding import TensorSpec, plan_layout
+from raggedfsdp.sharding import TensorSpec, plan_layout, row_numel
 from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
 
 GROUPS = [
@@ -49,7 +49,9 @@ def measure(model: str, group: str, world: int, rows: int) -> dict:
         "padding_pct": 100 * layout.padding / numel,
         "lower_bound_pct": 100 * layout.lower_bound_padding / numel,
         "fsdp2_padding_pct": 100 * sum(fsdp2_padding(s, world) for _, s in tensors) / numel,
-        "fsdp2_cut_tensors": sum(fsdp2_cuts_units(s, world, rows) for _, s in tensors),
+        "fsdp2_cut_tensors": sum(
+            fsdp2_cuts_units(s, world, rows * row_numel(s)) for _, s in tensors
+        ),
         "plan_ms": 1e3 * layout.planning_time_s,
         "lcm_forced": any("LCM" in note for note in layout.notes),
         "notes": list(layout.notes),

@@ -2,11 +2,29 @@
 
 Sub-packages: :mod:`raggedfsdp.sharding` (RaggedShard, planner, flat buffers, RaggedTensor),
 :mod:`raggedfsdp.comm` (in-place collectives for gloo and NCCL), :mod:`raggedfsdp.fsdp`
-(``fully_shard``), :mod:`raggedfsdp.optim` (sharded optimizers).
+(``fully_shard``), :mod:`raggedfsdp.optim` (sharded optimizers), :mod:`raggedfsdp.plan` (the
+capacity planner CLI).
+
+The top-level names are imported lazily (PEP 562) so that pure-Python tools such as
+``python -m raggedfsdp.plan`` start without importing torch.
 """
 
-from raggedfsdp.fsdp import FSDPModule, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "FSDPModule": "raggedfsdp.fsdp",
+    "MixedPrecisionPolicy": "raggedfsdp.fsdp",
+    "clip_grad_norm_": "raggedfsdp.fsdp",
+    "fully_shard": "raggedfsdp.fsdp",
+}
+
 __all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "fully_shard"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raggedfsdp' has no attribute {name!r}")

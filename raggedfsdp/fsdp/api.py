@@ -26,7 +26,7 @@ from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
 from raggedfsdp.fsdp.state import FSDPState, backward_in_progress
-from raggedfsdp.sharding import RaggedTensor, ShardPolicy, row_units
+from raggedfsdp.sharding import RaggedTensor, ShardPolicy, element_units
 
 __all__ = ["FSDPModule", "fully_shard"]
 
@@ -101,9 +101,10 @@ def fully_shard(
             memory for the parameters of this group, one all-gather fewer). The root ignores it:
             its backward runs first.
         mp_policy: mixed precision (see ``MixedPrecisionPolicy``).
-        shard_policy: ``(fqn, param) -> unit in elements``; default one row per unit
-            (``row_units(1)``). Pass an optimizer's policy, e.g. ``AdamW8bit.shard_policy()``,
-            so its blocks are never cut.
+        shard_policy: ``(fqn, param) -> unit in elements``; default element units, which pad
+            least (larger units that cover whole segments force the segment size to a multiple
+            of their LCM). Pass an optimizer's policy, e.g. ``AdamW8bit.shard_policy()``, so
+            its blocks are never cut.
 
     Parameters must be initialised identically on every rank (same seed) or loaded afterwards
     from a checkpoint: each rank keeps its pieces of its own copy.
@@ -124,7 +125,7 @@ def fully_shard(
             params,
             shard_mesh,
             mp_policy,
-            shard_policy or row_units(1),
+            shard_policy or element_units(),
             comm_streams=lambda: state.ctx.comm_streams() if state.ctx else (None, None),
         )
         for tensor in originals + [mp.sharded for mp in params]:

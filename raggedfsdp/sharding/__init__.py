@@ -1,10 +1,13 @@
 """Sharding core: the ``RaggedShard`` spec, the structure-aware planner and flat buffers.
 
 ``RaggedShard`` and the planner are pure Python (no torch.distributed) so they can be tested and
-simulated at 100,000 ranks; ``FlatBuffer`` needs torch but no process group.
+simulated at 100,000 ranks; ``FlatBuffer`` and ``RaggedTensor`` need torch (but no process
+group) and are imported lazily, so planning tools start without torch.
 """
 
-from raggedfsdp.sharding.flat_buffer import FlatBuffer
+from importlib import import_module
+from typing import Any
+
 from raggedfsdp.sharding.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     Layout,
@@ -15,7 +18,11 @@ from raggedfsdp.sharding.planner import (
 )
 from raggedfsdp.sharding.policy import ShardPolicy, combine, element_units, row_units, slice_units
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard, flat_range_to_boxes, row_numel
-from raggedfsdp.sharding.ragged_tensor import RaggedTensor
+
+_LAZY = {
+    "FlatBuffer": "raggedfsdp.sharding.flat_buffer",
+    "RaggedTensor": "raggedfsdp.sharding.ragged_tensor",
+}
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
@@ -36,3 +43,9 @@ __all__ = [
     "row_units",
     "slice_units",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'raggedfsdp.sharding' has no attribute {name!r}")

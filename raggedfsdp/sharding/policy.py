@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-
-import torch
+from typing import Any
 
 from raggedfsdp.sharding.ragged_shard import row_numel
 
 __all__ = ["ShardPolicy", "combine", "element_units", "row_units", "slice_units"]
 
-ShardPolicy = Callable[[str, torch.Tensor], int]
+#: ``(fully qualified name, parameter) -> unit in elements``; only ``param.shape`` is read.
+ShardPolicy = Callable[[str, Any], int]
 
 
 def element_units() -> ShardPolicy:
@@ -41,7 +41,7 @@ def slice_units() -> ShardPolicy:
     """Whole slices of dim 0 for tensors of 3 or more dims (one expert matrix of a stacked
     ``(E, m, n)`` tensor), whole matrices for 2-D tensors, elements for vectors."""
 
-    def unit(fqn: str, param: torch.Tensor) -> int:
+    def unit(fqn: str, param: Any) -> int:
         shape = tuple(param.shape)
         if len(shape) >= 3:
             return math.prod(shape[1:])

@@ -1,0 +1,185 @@
+"""Owner compute: each whole matrix is worked on by exactly one rank.
+
+Muon's Newton–Schulz (and Shampoo's blocks when a forced layout cuts them) need whole matrices,
+but ragged shards may spread a matrix over several ranks. Instead of every rank gathering every
+matrix (and repeating all the work), each matrix gets one *owner*:
+
+* a matrix that lies entirely on one rank is owned there and needs no communication;
+* the others are assigned by longest-processing-time (LPT) balancing on their cost, preferring
+  a rank that already holds much of the matrix when that costs little balance;
+* pieces travel to owners in one batched uneven all-to-all (``all_to_all_single`` with split
+  sizes, the one uneven collective gloo supports) and results come back the same way.
+
+``assign_owners`` and ``ExchangePlan`` are plain Python, identical on every rank (they depend only
+on shapes and shards), so no extra communication decides who does what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from raggedfsdp.comm import all_to_all_uneven
+
+__all__ = ["ExchangePlan", "Job", "assign_owners"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One matrix to work on whole: ``numel`` elements that are, in the global flat order of the
+    matrix, split into per-rank ``pieces`` ``(rank, length)`` in rank order (empty ones left
+    out), plus its cost (e.g. Newton–Schulz FLOPs)."""
+
+    pieces: tuple[tuple[int, int], ...]
+    cost: float
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.pieces)
+
+    @property
+    def sole_holder(self) -> int | None:
+        return self.pieces[0][0] if len(self.pieces) == 1 else None
+
+    def held_by(self, rank: int) -> int:
+        return sum(n for r, n in self.pieces if r == rank)
+
+
+def assign_owners(jobs: Sequence[Job], world: int, holder_slack: float = 0.1) -> list[int]:
+    """One owner per job, balancing total cost over ranks.
+
+    Jobs held whole by one rank stay there. The rest go, largest first, to the rank whose load
+    would be lowest; if the rank holding most of the job would end within ``holder_slack`` of that
+    (relative), it wins instead, saving the transfer of its piece. Ties go to the lower rank, so
+    the result is deterministic.
+    """
+    owners = [-1] * len(jobs)
+    load = [0.0] * world
+    for i, job in enumerate(jobs):
+        if job.sole_holder is not None:
+            owners[i] = job.sole_holder
+            load[job.sole_holder] += job.cost
+    rest = sorted((i for i in range(len(jobs)) if owners[i] < 0), key=lambda i: -jobs[i].cost)
+    for i in rest:
+        job = jobs[i]
+        best = min(range(world), key=lambda r: (load[r], r))
+        holder = max(range(world), key=lambda r: (job.held_by(r), -r))
+        if load[holder] + job.cost <= (load[best] + job.cost) * (1 + holder_slack):
+            best = holder
+        owners[i] = best
+        load[best] += job.cost
+    return owners
+
+
+@dataclass
+class ExchangePlan:
+    """Who sends which piece where, for one rank, in both directions.
+
+    Forward (pieces → owners): this rank sends, to each owner in rank order, its pieces of that
+    owner's jobs in job order; an owner receives from each source in rank order. Because ranks
+    hold consecutive ranges in rank order, the owner reassembles a job by concatenating the
+    sources' pieces: ``assemble`` does all of that with one index gather. Backward (results →
+    holders) is the same exchange with the splits swapped.
+    """
+
+    jobs: Sequence[Job]
+    owners: Sequence[int]
+    rank: int
+    world: int
+    send_splits: list[int] = field(init=False)
+    recv_splits: list[int] = field(init=False)
+    local_jobs: list[int] = field(init=False)  # held whole here and owned here: no transfer
+    owned_jobs: list[int] = field(init=False)  # owned here, assembled from transfers
+    send_order: list[int] = field(init=False)  # jobs whose piece goes into the send buffer
+
+    def __post_init__(self) -> None:
+        me = self.rank
+        self.send_splits = [0] * self.world
+        self.recv_splits = [0] * self.world
+        self.local_jobs, self.owned_jobs = [], []
+        for j, (job, owner) in enumerate(zip(self.jobs, self.owners, strict=True)):
+            if job.sole_holder == owner:
+                if owner == me:
+                    self.local_jobs.append(j)
+                continue
+            if owner == me:
+                self.owned_jobs.append(j)
+            for r, n in job.pieces:
+                if r == me:
+                    self.send_splits[owner] += n
+                if owner == me:
+                    self.recv_splits[r] += n
+        moved = [j for j, (job, o) in enumerate(zip(self.jobs, self.owners, strict=True))
+                 if job.sole_holder != o]  # fmt: skip
+        self.send_order = [j for owner in range(self.world) for j in moved
+                           if self.owners[j] == owner and self.jobs[j].held_by(me)]  # fmt: skip
+        self._assemble_index: torch.Tensor | None = None
+
+    @property
+    def elements_sent(self) -> int:
+        """Elements this rank sends to other ranks per exchange (itself excluded)."""
+        return sum(n for r, n in enumerate(self.send_splits) if r != self.rank)
+
+    @property
+    def elements_received(self) -> int:
+        return sum(n for r, n in enumerate(self.recv_splits) if r != self.rank)
+
+    def assemble_index(self, device: torch.device) -> torch.Tensor:
+        """Positions in the receive buffer of the owned jobs' elements, job after job: the
+        receive buffer lists, per source, that source's pieces of the owned jobs."""
+        if self._assemble_index is None or self._assemble_index.device != device:
+            offset_of: dict[tuple[int, int], int] = {}
+            cursor = 0
+            for src in range(self.world):
+                for j in self.owned_jobs:
+                    n = self.jobs[j].held_by(src)
+                    if n:
+                        offset_of[(src, j)] = cursor
+                        cursor += n
+            parts = [
+                torch.arange(offset_of[(r, j)], offset_of[(r, j)] + n, device=device)
+                for j in self.owned_jobs
+                for r, n in self.jobs[j].pieces
+            ]
+            self._assemble_index = (
+                torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+            )
+        return self._assemble_index
+
+    def to_owners(
+        self, pieces_of: Callable[[int], torch.Tensor], like: torch.Tensor, group
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Send this rank's pieces (``pieces_of(job)``, 1-D, ``like``'s dtype and device) to
+        their owners; returns the owned jobs' whole flat matrices: one buffer and its views, in
+        ``owned_jobs`` order."""
+        sends = [pieces_of(j) for j in self.send_order]
+        send = torch.cat(sends) if sends else like.new_empty(0)
+        recv = send.new_empty(sum(self.recv_splits))
+        all_to_all_uneven(recv, send, self.recv_splits, self.send_splits, group)
+        whole = recv[self.assemble_index(recv.device)] if recv.numel() else recv
+        return whole, self._split(whole)
+
+    def to_holders(self, whole: torch.Tensor, group) -> dict[int, torch.Tensor]:
+        """Send the owned jobs' results (``whole``, as returned by ``to_owners`` and updated in
+        place) back; returns this rank's piece of every moved job it holds, keyed by job."""
+        send = whole.new_empty(whole.numel())
+        if whole.numel():
+            send[self.assemble_index(whole.device)] = whole
+        recv = whole.new_empty(sum(self.send_splits))
+        all_to_all_uneven(recv, send, self.send_splits, self.recv_splits, group)
+        out, cursor = {}, 0
+        for j in self.send_order:
+            n = self.jobs[j].held_by(self.rank)
+            out[j] = recv[cursor : cursor + n]
+            cursor += n
+        return out
+
+    def _split(self, whole: torch.Tensor) -> list[torch.Tensor]:
+        out, cursor = [], 0
+        for j in self.owned_jobs:
+            n = self.jobs[j].numel
+            out.append(whole[cursor : cursor + n])
+            cursor += n
+        return out
