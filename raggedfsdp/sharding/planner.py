@@ -399,27 +399,35 @@ def _lower_bound(sizes: Sequence[tuple[int, int, int]], world: int, align: int) 
     share = -(-(sum(aligned) - slack) // world)
     biggest_unit = max(min(n, u) for n, u, _ in sizes)
     basic = _align_up(max(share, biggest_unit, 1), align)
-    for a, b, required, _ in _intervals(sizes, basic, max(basic, sum(aligned)), align):
+    for a, b, (required, *_) in _intervals(sizes, basic, max(basic, sum(aligned)), align):
         if _align_up(a, required) <= b:
             return _align_up(a, required)
     return basic
 
 
 def _intervals(sizes: Sequence[tuple[int, int, int]], lo: int, hi: int, align: int):
-    """Yield ``(lo, hi, required, preferred)`` over ranges of S (ascending) in which the set of
-    tensors that must cover a whole segment (``numel >= 2 S``) is fixed.
+    """Yield ``(lo, hi, moduli)`` over ranges of S (ascending) in which the set of tensors that
+    must cover a whole segment (``numel >= 2 S``) is fixed.
 
-    S must be a multiple of ``required`` (the LCM of those tensors' units). ``preferred`` adds the
-    units of every tensor that crosses a boundary anyway: at its multiples such a tensor may also
-    cover a whole segment, instead of waiting for a start from which it crosses only once (which
-    can waste most of a segment when tensors are a little larger than S, like MoE experts).
+    ``moduli[0]`` is what S must be a multiple of (the LCM of those tensors' units). The others
+    also take in the unit of tensors that cross a boundary anyway (one distinct unit at a time,
+    then all together): at such S those tensors may cover a whole segment too, instead of
+    waiting for a start from which they cross only once, which can waste most of a segment when
+    tensors are a little larger than S (MoE experts). The search tries each.
     """
     cuts = sorted({n // 2 for n, u, _ in sizes if u < n and lo <= n // 2 < hi})
     bounds = [lo - 1, *cuts, hi]
     for below, top in itertools.pairwise(bounds):
         required = math.lcm(align, *(u for n, u, _ in sizes if u < n and n >= 2 * (below + 1)))
-        preferred = math.lcm(required, *(u for n, u, _ in sizes if u < n and n > top))
-        yield below + 1, top, required, preferred
+        crossing = sorted({u for n, u, _ in sizes if u < n and n > top and required % u})
+        moduli = [required, *(math.lcm(required, u) for u in crossing[:_MAX_EXTRA_MODULI])]
+        if len(crossing) > 1:
+            moduli.append(math.lcm(required, *crossing))
+        yield below + 1, top, list(dict.fromkeys(moduli))
+
+
+#: Distinct units of boundary-crossing tensors tried one at a time as extra moduli of S.
+_MAX_EXTRA_MODULI = 4
 
 
 def _search_multiples(pack, lo: int, hi: int, m: int):
@@ -450,8 +458,8 @@ def _search_multiples(pack, lo: int, hi: int, m: int):
 def _search(sizes, align: int, pack: Callable[[int], list[int] | None], lo: int, hi: int):
     """Smallest S in ``[lo, hi]`` at which ``pack`` succeeds, walking the intervals upwards;
     ``(S, offsets)`` or None."""
-    for a, b, required, preferred in _intervals(sizes, lo, hi, align):
-        found = [f for m in {required, preferred} if (f := _search_multiples(pack, a, b, m))]
+    for a, b, moduli in _intervals(sizes, lo, hi, align):
+        found = [f for m in moduli if (f := _search_multiples(pack, a, b, m))]
         if found:
             return min(found, key=lambda f: f[0])
     return None
@@ -524,7 +532,7 @@ def _sweep_down(sizes, align: int, strategies, lower: int, best):
     budget = _SWEEP_BUDGET // (len(strategies) * max(len(sizes), 1))
     below = [
         seg
-        for a, b, required, _ in _intervals(sizes, lower, best[0] - align, align)
+        for a, b, (required, *_) in _intervals(sizes, lower, best[0] - align, align)
         for seg in range(_align_up(a, required), b + 1, required)
     ]
     for seg in below[len(below) - budget :] if budget else []:
