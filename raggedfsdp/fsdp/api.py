@@ -127,6 +127,7 @@ def fully_shard(
             mp_policy,
             shard_policy or element_units(),
             comm_streams=lambda: state.ctx.comm_streams() if state.ctx else (None, None),
+            name=type(module).__name__,
         )
         for tensor in originals + [mp.sharded for mp in params]:
             tensor._raggedfsdp_owner = type(module).__name__

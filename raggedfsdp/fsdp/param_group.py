@@ -17,7 +17,8 @@ Nothing is copied into or out of a communication buffer around a collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -34,7 +35,12 @@ from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.sharding import FlatBuffer, Layout, RaggedTensor, ShardPolicy, TensorSpec
 from raggedfsdp.sharding import plan_layout as _plan_layout
 
-__all__ = ["ManagedParam", "ParamGroup"]
+__all__ = ["CollectiveError", "ManagedParam", "ParamGroup"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a ``fully_shard`` group failed (a peer died, timed out, or the network
+    broke); the message names the group and the collective, then the backend's error."""
 
 
 @dataclass
@@ -63,7 +69,9 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         shard_policy: ShardPolicy,
         comm_streams: Callable[[], tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]],
+        name: str = "",
     ) -> None:
+        self.name = name  # for error messages; the root renames groups to module paths
         self.params = params
         self.mesh = mesh
         self.mp_policy = mp_policy
@@ -117,6 +125,19 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.use_sharded_params()
 
+    @contextmanager
+    def _failing_as(self, collective: str) -> Iterator[None]:
+        """Re-raise a backend error with the group and collective it hit: on a job of
+        thousands of ranks "connection closed by peer" alone does not say where to look."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise CollectiveError(
+                f"raggedfsdp: {collective} of fully_shard group {self.name!r} "
+                f"({len(self.params)} tensors, {self.layout.buffer_numel:,} elements) failed on "
+                f"shard rank {self.mesh.shard_rank} of {self.mesh.shard_size}: {err}"
+            ) from err
+
     # ----------------------------------------------------------------------------- parameters
     def _install(self, which: str) -> None:
         for mp in self.params:
@@ -142,13 +163,14 @@ class ParamGroup:
                 self.compute.shard.copy_(self.master.shard)  # cast fp32 -> param_dtype (1/W)
             full = self.compute.alloc_full()
             self._version = full._version
-            self._gather = all_gather_flat(
-                full,
-                self.compute.shard,
-                self.mesh.shard_group,
-                async_op=async_op,
-                comm_stream=self._comm_streams()[0],
-            )
+            with self._failing_as("all-gather"):
+                self._gather = all_gather_flat(
+                    full,
+                    self.compute.shard,
+                    self.mesh.shard_group,
+                    async_op=async_op,
+                    comm_stream=self._comm_streams()[0],
+                )
         if not async_op:
             self.wait_for_unshard()
 
@@ -158,8 +180,9 @@ class ParamGroup:
         self.is_unsharded = True
 
     def _wait_gather(self) -> None:
-        self._gather.wait()
-        self._gather = None
+        gather, self._gather = self._gather, None
+        with self._failing_as("all-gather"):
+            gather.wait()
         # The collective rewrote the storage that saved activations of the unsharded params
         # point at, with the data they had: undo the version bump (which gloo makes whenever
         # the work completes) so autograd's in-place check stays quiet, as FSDP2 does.
@@ -228,15 +251,16 @@ class ParamGroup:
                 if i not in self._received and mp.requires_grad:
                     self.grads.full_view(mp.fqn).zero_()
             out = self.grads.full.new_empty(self.layout.segment_size)
-            handle = reduce_scatter_flat(
-                out,
-                self.grads.full,
-                self.mesh.shard_group,
-                op="avg",
-                async_op=True,
-                comm_stream=self._comm_streams()[1],
-                scratch_input=True,  # freed right after: gloo may reduce it in place
-            )
+            with self._failing_as("reduce-scatter"):
+                handle = reduce_scatter_flat(
+                    out,
+                    self.grads.full,
+                    self.mesh.shard_group,
+                    op="avg",
+                    async_op=True,
+                    comm_stream=self._comm_streams()[1],
+                    scratch_input=True,  # freed right after: gloo may reduce it in place
+                )
         self._reduce = (handle, out)
 
     def reduce_completed(self) -> bool:
@@ -250,9 +274,11 @@ class ParamGroup:
             return
         handle, out = self._reduce
         self._reduce = None
-        handle.wait()
+        with self._failing_as("reduce-scatter"):
+            handle.wait()
         if self.mesh.is_hsdp:
-            all_reduce_flat(out, self.mesh.replicate_group, op="avg")
+            with self._failing_as("replicate all-reduce"):
+                all_reduce_flat(out, self.mesh.replicate_group, op="avg")
         self.grads.free_full()
         received = set(self._received)
         self._received.clear()

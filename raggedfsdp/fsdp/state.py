@@ -153,7 +153,11 @@ class FSDPState:
         if self.ctx is not None:
             return
         root = self.module_ref()
-        states = [m._raggedfsdp_state for m in root.modules() if hasattr(m, "_raggedfsdp_state")]
+        named = [(n, m) for n, m in root.named_modules() if hasattr(m, "_raggedfsdp_state")]
+        states = [m._raggedfsdp_state for _, m in named]
+        for path, module in named:
+            if module._raggedfsdp_state.group is not None:
+                module._raggedfsdp_state.group.name = path or f"root ({type(root).__name__})"
         ctx = RootContext(states)
         for state in states:
             if state.ctx is None:

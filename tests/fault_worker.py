@@ -1,0 +1,64 @@
+"""One rank of a fault-injection run (see test_faults.py): trains a tiny sharded model, and on
+``--kill-rank`` dies by SIGKILL at the ``--at``-th call of ``--collective``.
+
+    python -m tests.fault_worker --rank R --world W --port P --kill-rank K --collective C --at N
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def _die_at(module, name: str, at: int) -> None:
+    original = getattr(module, name)
+    calls = {"n": 0}
+
+    def wrapper(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for flag in ("--rank", "--world", "--port", "--kill-rank", "--at"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--collective", required=True)
+    parser.add_argument("--timeout", type=float, default=20.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.TCPStore("127.0.0.1", args.port, args.world, args.rank == 0)
+    dist.init_process_group(
+        "gloo", store=store, rank=args.rank, world_size=args.world,
+        timeout=timedelta(seconds=args.timeout),
+    )  # fmt: skip
+    import raggedfsdp.fsdp.param_group as param_group
+    from raggedfsdp import fully_shard
+    from tests.tiny_models import batch, loss_fn, make_model
+
+    if args.rank == args.kill_rank:
+        _die_at(param_group, args.collective, args.at)
+    model = make_model()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        loss_fn(model, *batch(step, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    print("finished without error", flush=True)
+
+
+if __name__ == "__main__":
+    main()

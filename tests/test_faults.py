@@ -1,0 +1,85 @@
+"""Faults: a rank killed in the middle of a collective makes every other rank fail fast, with an
+error that names the group and the collective, never hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(world: int, kill_rank: int, collective: str, at: int, timeout: float = 20.0):
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.fault_worker",
+                "--rank",
+                str(r),
+                "--world",
+                str(world),
+                "--port",
+                str(port),
+                "--kill-rank",
+                str(kill_rank),
+                "--collective",
+                collective,
+                "--at",
+                str(at),
+                "--timeout",
+                str(timeout),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    start = time.monotonic()
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout + 60)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"a rank hung past the collective timeout ({collective} at call {at})")
+        results.append((proc.returncode, out + err))
+    return results, time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("collective", "at", "phase"),
+    [
+        ("all_gather_flat", 3, "forward all-gather"),  # 3rd gather: a block in forward
+        ("reduce_scatter_flat", 2, "backward reduce-scatter"),
+    ],
+)
+def test_a_killed_rank_fails_the_others_fast_and_clearly(collective, at, phase):
+    results, elapsed = _run(world=3, kill_rank=1, collective=collective, at=at)
+    assert results[1][0] == -9, "the victim should have died by SIGKILL"
+    kind = "all-gather" if "gather" in collective else "reduce-scatter"
+    for rank in (0, 2):
+        code, output = results[rank]
+        assert code != 0, f"rank {rank} finished although a peer died ({phase})"
+        assert f"raggedfsdp: {kind} of fully_shard group" in output, output[-2000:]
+    assert elapsed < 20.0 + 60
