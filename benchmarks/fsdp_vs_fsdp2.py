@@ -150,8 +150,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
             )
             times[name]["step"].append(time.perf_counter() - t0)
     if rank == 0:
-        out.put({n: {k: statistics.median(v) for k, v in d.items()} | {"loss": losses[n]}
-                 for n, d in times.items()})  # fmt: skip
+        out.put(
+            {
+                n: {k: statistics.median(v) for k, v in d.items()} | {"loss": losses[n]}
+                for n, d in times.items()
+            }
+        )
     dist.destroy_process_group()
 
 
@@ -173,8 +177,12 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    mp.start_processes(_worker, args=(args.world_size, port, args, out), nprocs=args.world_size,
-                       start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _worker,
+        args=(args.world_size, port, args, out),
+        nprocs=args.world_size,
+        start_method="spawn",
+    )
     res = out.get()
     ours, peer = res["ours"], res["fsdp2"]
     ratios = {
@@ -183,18 +191,33 @@ def main() -> None:
         "peak_memory": ours["mem"] / peer["mem"],
     }
     params = sum(p.numel() for p in Model(args.vocab, args.dim, args.layers).parameters())
-    print(json.dumps({"benchmark": "fsdp_vs_fsdp2", "args": vars(args),
-                      "params": params, "ours": ours, "fsdp2": peer, "ratio": ratios}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "benchmark": "fsdp_vs_fsdp2",
+                "args": vars(args),
+                "params": params,
+                "ours": ours,
+                "fsdp2": peer,
+                "ratio": ratios,
+            }
+        )
+    )
     ac = ", activation checkpointing" if args.activation_checkpointing else ""
     print(
         f"\nW={args.world_size}, {params / 1e6:.1f}M parameters{ac}, medians of {args.steps} rounds"
     )
     print(f"{'':28s}{'raggedfsdp':>12s}{'FSDP2':>12s}{'ratio':>8s}")
-    rows = [("unshard+reshard (ms)", "gather", 1e3), ("training step (ms)", "step", 1e3),
-            ("peak above resident (MiB)", "mem", 1.0)]  # fmt: skip
+    rows = [
+        ("unshard+reshard (ms)", "gather", 1e3),
+        ("training step (ms)", "step", 1e3),
+        ("peak above resident (MiB)", "mem", 1.0),
+    ]
     for label, key, scale in rows:
-        print(f"{label:28s}{ours[key] * scale:12.2f}{peer[key] * scale:12.2f}"
-              f"{ours[key] / peer[key]:8.2f}")  # fmt: skip
+        print(
+            f"{label:28s}{ours[key] * scale:12.2f}{peer[key] * scale:12.2f}"
+            f"{ours[key] / peer[key]:8.2f}"
+        )
     print(f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f}")
 
 

@@ -44,8 +44,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, rows: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     torch.manual_seed(0)  # identical "initialisation" on every rank
     params = {name: torch.randn(shape) for name, shape in BLOCK.items()}
     specs = [TensorSpec.rows(name, shape, "float32", rows) for name, shape in BLOCK.items()]
@@ -81,8 +82,12 @@ def _worker(rank: int, world: int, port: int, rows: int) -> None:
     )
     dist.all_reduce(report, op=dist.ReduceOp.MIN)
     if rank == 0:
-        checks = ["all-gather bitwise equal", "params are views of the buffer",
-                  "reduce-scatter average correct", "full buffer freed after reshard"]  # fmt: skip
+        checks = [
+            "all-gather bitwise equal",
+            "params are views of the buffer",
+            "reduce-scatter average correct",
+            "full buffer freed after reshard",
+        ]
         for ok, what in zip(report.tolist(), checks, strict=True):
             print(f"  [{'ok' if ok else 'FAILED'}] {what}")
         print(f"  all-gather of {layout.buffer_numel} elements took {gather_ms:.2f} ms on rank 0")

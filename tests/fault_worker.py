@@ -39,9 +39,12 @@ def main() -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.TCPStore("127.0.0.1", args.port, args.world, args.rank == 0)
     dist.init_process_group(
-        "gloo", store=store, rank=args.rank, world_size=args.world,
+        "gloo",
+        store=store,
+        rank=args.rank,
+        world_size=args.world,
         timeout=timedelta(seconds=args.timeout),
-    )  # fmt: skip
+    )
     import raggedfsdp.fsdp.param_group as param_group
     from raggedfsdp import fully_shard
     from tests.tiny_models import batch, loss_fn, make_model

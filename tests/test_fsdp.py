@@ -65,8 +65,13 @@ def _parity(steps: int, checkpoint: bool) -> dict:
     reference = make_model()
     ours = _shard(make_model(), shard_policy=row_units(1))
     ours.checkpoint = checkpoint
-    ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps,
-                        sharded=False, clip=1.0)  # fmt: skip
+    ref_losses = _train(
+        reference,
+        torch.optim.AdamW(reference.parameters(), lr=1e-2),
+        steps,
+        sharded=False,
+        clip=1.0,
+    )
     our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
 
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -139,8 +144,9 @@ def _mixed_precision(steps: int) -> dict:
     ours = _shard(make_model(), mp_policy=policy)
     reference = make_model()
     our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
-    ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps,
-                        sharded=False)  # fmt: skip
+    ref_losses = _train(
+        reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps, sharded=False
+    )
     dtypes = {p.dtype for p in ours.parameters()} | {p.grad is None for p in ours.parameters()}
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
@@ -361,8 +367,9 @@ def _checkpoint_wrapper_parity(steps: int) -> float:
     ours = make_model()
     ours.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in ours.layers)
     _shard(ours)
-    ref_losses = _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps,
-                        sharded=False)  # fmt: skip
+    ref_losses = _train(
+        reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps, sharded=False
+    )
     our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
     return max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True))
 

@@ -111,10 +111,17 @@ class ExchangePlan:
                     self.send_splits[owner] += n
                 if owner == me:
                     self.recv_splits[r] += n
-        moved = [j for j, (job, o) in enumerate(zip(self.jobs, self.owners, strict=True))
-                 if job.sole_holder != o]  # fmt: skip
-        self.send_order = [j for owner in range(self.world) for j in moved
-                           if self.owners[j] == owner and self.jobs[j].held_by(me)]  # fmt: skip
+        moved = [
+            j
+            for j, (job, o) in enumerate(zip(self.jobs, self.owners, strict=True))
+            if job.sole_holder != o
+        ]
+        self.send_order = [
+            j
+            for owner in range(self.world)
+            for j in moved
+            if self.owners[j] == owner and self.jobs[j].held_by(me)
+        ]
         self._assemble_index: torch.Tensor | None = None
 
     @property

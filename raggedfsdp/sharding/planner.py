@@ -51,12 +51,15 @@ __all__ = [
 DEFAULT_ALIGNMENT_BYTES = 16
 
 _ITEMSIZES = {
-    "float64": 8, "double": 8, "int64": 8, "long": 8, "complex64": 8,
-    "float32": 4, "float": 4, "int32": 4, "int": 4,
-    "bfloat16": 2, "float16": 2, "half": 2, "int16": 2, "short": 2,
-    "int8": 1, "uint8": 1, "bool": 1,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
-}  # fmt: skip
+    name: size
+    for size, names in (
+        (8, "float64 double int64 long complex64"),
+        (4, "float32 float int32 int"),
+        (2, "bfloat16 float16 half int16 short"),
+        (1, "int8 uint8 bool float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz"),
+    )
+    for name in names.split()
+}
 
 
 def dtype_itemsize(dtype: Any) -> int:
@@ -245,9 +248,12 @@ class _LazyShards(Mapping[str, RaggedShard]):
         if name not in self._cache:
             t = self._layout.by_name[name]
             counts = _units_per_rank(
-                self._layout.offsets[name], t.numel, t.unit, self._layout.segment_size,
+                self._layout.offsets[name],
+                t.numel,
+                t.unit,
+                self._layout.segment_size,
                 self._layout.world_size,
-            )  # fmt: skip
+            )
             self._cache[name] = RaggedShard(t.shape, t.unit, counts, name)
         return self._cache[name]
 
@@ -312,7 +318,7 @@ class _Packer:
         cursor = 0
         for i in order:
             numel, unit, step = self.sizes[i]
-            if self._fill_gap(gaps, numel, unit, step, seg, offsets, i):
+            if self._fill_gap(gaps, i, seg, offsets):
                 continue
             start = _earliest_start(cursor, numel, unit, step, seg, self.align)
             if start < 0 or start + numel > limit:
@@ -346,10 +352,9 @@ class _Packer:
             left.remove(best)
         return offsets
 
-    def _fill_gap(
-        self, gaps: list[tuple[int, int]], numel: int, unit: int, step: int, seg: int,
-        offsets: list[int], i: int,
-    ) -> bool:  # fmt: skip
+    def _fill_gap(self, gaps: list[tuple[int, int]], i: int, seg: int, offsets: list[int]) -> bool:
+        """Place tensor ``i`` in the first padding gap it fits in (first fit)."""
+        numel, unit, step = self.sizes[i]
         for g, (lo, hi) in enumerate(gaps):
             if hi - lo < numel:
                 continue
@@ -599,9 +604,15 @@ def _exact_pack(sizes: Sequence[tuple[int, int, int]], seg: int, world: int, ali
 
 
 def _make_layout(
-    tensors: Sequence[TensorSpec], world: int, align: int, seg: int, offsets: Sequence[int],
-    lower: int, strategy: str, t0: float,
-) -> Layout:  # fmt: skip
+    tensors: Sequence[TensorSpec],
+    world: int,
+    align: int,
+    seg: int,
+    offsets: Sequence[int],
+    lower: int,
+    strategy: str,
+    t0: float,
+) -> Layout:
     sizes = [(t.numel, t.unit) for t in tensors]
     return Layout(
         tensors=tuple(tensors),
@@ -617,9 +628,13 @@ def _make_layout(
 
 
 def _explain(
-    tensors: Sequence[TensorSpec], sizes: Sequence[tuple[int, int]], world: int, seg: int,
-    lower: int, align: int,
-) -> tuple[str, ...]:  # fmt: skip
+    tensors: Sequence[TensorSpec],
+    sizes: Sequence[tuple[int, int]],
+    world: int,
+    seg: int,
+    lower: int,
+    align: int,
+) -> tuple[str, ...]:
     """Advice when structure, not packing, forces padding (the paper's advice: pick a smaller
     HSDP shard group or a smaller unit)."""
     notes = []
