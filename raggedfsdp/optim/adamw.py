@@ -1,0 +1,159 @@
+"""``AdamW``: torch's AdamW on whole flat runs of this rank's pieces.
+
+The update is element-wise, so running it on a run of neighbouring parameters at once (or a
+whole flat segment) gives every element exactly the bits it would get per parameter; only the
+number of kernels changes. To be bitwise torch's AdamW in every mode, and to keep its options
+(foreach, fused, tensor lr, amsgrad, maximize, capturable), the math itself is torch's
+functional ``torch.optim.adam.adam`` applied to those runs: this class decides *what* to update,
+torch's kernels decide *how*.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam
+
+from raggedfsdp.comm.mesh import MeshLike
+from raggedfsdp.optim.base import ShardedOptimizer, StateSpec
+from raggedfsdp.optim.pieces import Piece, merge_runs, scalar_dtype, unwrap
+from raggedfsdp.sharding import ShardPolicy, element_units
+
+__all__ = ["AdamW", "check_adam_args"]
+
+
+def check_adam_args(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
+    """torch's argument checks for Adam-type optimizers."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor betas[{i}] must be 1-element")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+class AdamW(ShardedOptimizer):
+    """AdamW with sharded state; the arguments are ``torch.optim.AdamW``'s.
+
+    Single process: the same results and state dict as ``torch.optim.AdamW`` (bitwise). Drop-in
+    (plain parameters under a process group) and fsdp (``RaggedTensor`` parameters): each rank
+    keeps the state of its pieces only, 8 bytes per element in fp32 (8 / W per model element),
+    and the update equals torch's bitwise given the same (averaged) gradients.
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, fused: as
+            ``torch.optim.AdamW``. ``capturable`` works in single and fsdp mode; the drop-in
+            mode synchronises with the host each step and cannot be graph-captured.
+        differentiable: not supported (raises): sharded state is not part of autograd.
+        mesh: ranks for the drop-in mode (a DeviceMesh, 2-D for HSDP, a process group, or None
+            for the default group).
+    """
+
+    _state_keys_depend_on = ("amsgrad",)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        mesh: MeshLike = None,
+    ) -> None:
+        check_adam_args(lr, betas, eps, weight_decay)
+        if differentiable:
+            raise NotImplementedError(
+                "differentiable=True is not supported by raggedfsdp.optim.AdamW (its state is "
+                "sharded outside autograd); use torch.optim.AdamW for meta-learning"
+            )
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        if isinstance(lr, Tensor) and foreach and not capturable:
+            raise ValueError(
+                "lr as a Tensor is not supported for capturable=False and foreach=True"
+            )
+        betas = tuple(b.reshape(()) if isinstance(b, Tensor) else b for b in betas)
+        defaults = {
+            "lr": lr,
+            "betas": betas,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+            "foreach": foreach,
+            "capturable": capturable,
+            "differentiable": differentiable,
+            "fused": fused,
+            "decoupled_weight_decay": True,
+        }
+        super().__init__(params, defaults, mesh=mesh)
+
+    @classmethod
+    def shard_policy(cls) -> ShardPolicy:
+        """Element units: AdamW is element-wise, so any cut is fine, and element units leave the
+        planner the most freedom (the least padding). Rows would only add padding."""
+        return element_units()
+
+    def _policy(self) -> ShardPolicy:
+        return self.shard_policy()
+
+    def _state_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        return {key: StateSpec(piece.numel, piece.param.dtype) for key in keys}
+
+    def _new_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
+        # torch keeps the counter on the host unless capturable or fused (see torch.optim.Adam).
+        if group["capturable"] or group["fused"]:
+            return torch.zeros((), dtype=scalar_dtype(bool(group["fused"])), device=device)
+        return torch.tensor(0.0, dtype=scalar_dtype())
+
+    def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
+        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+        sharded, single = [], []
+        for pc in pieces:
+            state = self.state[pc.param]
+            entry = [pc.local(), pc.local_grad(), *(unwrap(state[k]) for k in keys)]
+            (sharded if pc.sharded else single).append(entry)
+        runs = merge_runs(sharded) + single
+        if not runs:
+            return
+        columns = [list(c) for c in zip(*runs, strict=True)]
+        beta1, beta2 = group["betas"]
+        adam(
+            columns[0],
+            columns[1],
+            columns[2],
+            columns[3],
+            columns[4] if group["amsgrad"] else [],
+            [step.clone() for _ in runs],  # torch increments these; the base class owns `step`
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=False,
+            fused=group["fused"],
+            has_complex=False,
+            decoupled_weight_decay=True,
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )

@@ -1,0 +1,274 @@
+"""``AdamW8bit``: AdamW with block-wise 8-bit moments, blocks whole on one rank.
+
+Each step dequantizes the moments of a piece, runs AdamW in fp32, and requantizes them with a
+fresh absmax per block (bitsandbytes' scheme; the op sequence is torchao's ``AdamW8bit``, so one
+process gives its results bitwise). Blocks are fixed by the *parameter*: 256 consecutive elements
+of its flat index (``block_size``), or ``tile = (rows, cols)`` tiles of its 2-D view, and whether
+a parameter is quantized depends on its global size only. Shards are cut on block boundaries
+(``shard_policy``), so each rank quantizes whole blocks of its own and the results are the same
+bits at every world size.
+
+State per quantized parameter: ``<moment>_codes`` (uint8, the parameter's shape and split) and
+``<moment>_absmax`` (fp32, one per block: shape ``(num_blocks,)`` or the tile grid, split with
+the blocks), both indexed by global position, so DCP reshards them like any tensor. Parameters
+below ``min_8bit_size`` elements keep torch-style ``exp_avg`` / ``exp_avg_sq`` in their dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from raggedfsdp.comm.mesh import MeshLike
+from raggedfsdp.optim.adamw import check_adam_args
+from raggedfsdp.optim.base import ShardedOptimizer, StateSpec, check_unit_alignment
+from raggedfsdp.optim.pieces import Piece, flat, merge_runs, unwrap
+from raggedfsdp.optim.quant import BlockGrid, QuantMap, dequantize_, quantize_
+from raggedfsdp.sharding import RaggedShard, ShardPolicy, row_numel
+
+__all__ = ["AdamW8bit"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+
+
+def _quantized_unit(shape: tuple[int, ...], block_size: int, tile: tuple[int, int] | None) -> int:
+    return tile[0] * row_numel(shape) if tile and len(shape) >= 2 else block_size
+
+
+class AdamW8bit(ShardedOptimizer):
+    """AdamW with 8-bit block-wise moments (bitsandbytes / torchao format), sharded.
+
+    Args:
+        params, lr, betas, eps, weight_decay, amsgrad, maximize: as ``torch.optim.AdamW``
+            (float lr is used as an fp32 tensor, as torchao does).
+        block_size: elements per 1-D quantization block (torchao's ``block_size``).
+        tile: ``(rows, cols)`` to quantize parameters of 2 or more dims in 2-D tiles instead
+            (e.g. ``(32, 32)``, the veScale-FSDP paper's blocks); 1-D parameters keep
+            ``block_size`` blocks.
+        min_8bit_size: parameters with fewer elements keep full-precision state (4096, like
+            bitsandbytes and torchao). Unlike torchao, larger parameters whose size is not a
+            multiple of the block are quantized too, with a shorter last block (as bitsandbytes).
+        mesh: ranks for the drop-in mode (see ``raggedfsdp.optim.AdamW``).
+    """
+
+    _state_keys_depend_on = ("amsgrad",)
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        block_size: int = 256,
+        tile: tuple[int, int] | None = None,
+        min_8bit_size: int = 4096,
+        mesh: MeshLike = None,
+    ) -> None:
+        check_adam_args(lr, betas, eps, weight_decay)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be a positive int")
+        if tile is not None and (
+            len(tile) != 2 or any(not isinstance(t, int) or t < 1 for t in tile)
+        ):
+            raise ValueError(f"tile={tile!r} must be (rows, cols) of positive ints, or None")
+        self.block_size = block_size
+        self.tile = tuple(tile) if tile is not None else None
+        self.min_8bit_size = min_8bit_size
+        self._grids: dict[Piece, tuple[BlockGrid, tuple[int, ...], RaggedShard | None]] = {}
+        defaults = {
+            "lr": lr,
+            "betas": tuple(float(b) for b in betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+        }
+        super().__init__(params, defaults, mesh=mesh)
+
+    # ----------------------------------------------------------------------------- sharding rule
+    @classmethod
+    def shard_policy(
+        cls,
+        block_size: int = 256,
+        tile: tuple[int, int] | None = None,
+        min_8bit_size: int = 4096,
+    ) -> ShardPolicy:
+        """Units that keep every quantization block on one rank: ``block_size`` elements from the
+        tensor's start (1-D blocks) or ``tile[0]`` whole rows (2-D tiles); one element for
+        parameters that stay in full precision. Pass the optimizer's own settings."""
+
+        def unit(fqn: str, param: Tensor) -> int:
+            if param.numel() < min_8bit_size:
+                return 1
+            return _quantized_unit(tuple(param.shape), block_size, tile)
+
+        return unit
+
+    def _policy(self) -> ShardPolicy:
+        return self.shard_policy(self.block_size, self.tile, self.min_8bit_size)
+
+    def _quantized(self, piece: Piece) -> bool:
+        return piece.param.numel() >= self.min_8bit_size
+
+    def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
+        if not self._quantized(piece):
+            return
+        if not piece.sharded and not piece.param.is_contiguous():
+            raise ValueError(
+                f"parameter {piece.name!r} is not contiguous (stride {piece.param.stride()}); "
+                "8-bit blocks follow the row-major flat index. Make it contiguous first "
+                "(p.data = p.data.contiguous())"
+            )
+        shape = tuple(piece.param.shape)
+        what = f"a {self.tile} tile slab" if self.tile and len(shape) >= 2 else "a block"
+        check_unit_alignment(piece, _quantized_unit(shape, self.block_size, self.tile), what)
+
+    # ----------------------------------------------------------------------------- block grids
+    def _grid(self, piece: Piece) -> tuple[BlockGrid, tuple[int, ...], RaggedShard | None]:
+        """The piece's local block grid, the global absmax shape and its split over ranks."""
+        if piece in self._grids:
+            return self._grids[piece]
+        shape = tuple(piece.param.shape)
+        numel = piece.param.numel()
+        spec = piece.spec
+        ranges = (
+            [(0, numel)] if spec is None else [spec.local_range(r) for r in range(spec.world_size)]
+        )
+        start, stop = ranges[piece.rank]
+        if self.tile and len(shape) >= 2:
+            cols = row_numel(shape)
+            tr, tc = self.tile
+            grid_shape = (-(-(numel // cols) // tr), -(-cols // tc))
+            grid = BlockGrid((stop - start) // cols, cols, tr, tc)
+            counts = [-(-(b // cols) // tr) - a // cols // tr if b > a else 0 for a, b in ranges]
+            unit = grid_shape[1]
+        else:
+            b = self.block_size
+            grid_shape = (-(-numel // b),)
+            grid = BlockGrid(1, stop - start, 1, b)
+            counts = [-(-hi // b) - lo // b if hi > lo else 0 for lo, hi in ranges]
+            unit = 1
+        absmax_shard = (
+            None
+            if spec is None
+            else RaggedShard.from_counts(grid_shape, unit, counts, f"{piece.name}.absmax")
+        )
+        self._grids[piece] = (grid, grid_shape, absmax_shard)
+        return self._grids[piece]
+
+    # ----------------------------------------------------------------------------- state
+    def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return _MOMENTS if group["amsgrad"] else _MOMENTS[:2]
+
+    def _state_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
+        n = piece.numel
+        if not self._quantized(piece):
+            return {m: StateSpec(n, piece.param.dtype) for m in self._moments(group)}
+        grid, grid_shape, absmax_shard = self._grid(piece)
+        specs = {}
+        for m in self._moments(group):
+            specs[f"{m}_codes"] = StateSpec(n, torch.uint8)
+            specs[f"{m}_absmax"] = StateSpec(
+                grid.num_blocks if n else 0, torch.float32, grid_shape, absmax_shard
+            )
+        return specs
+
+    def _new_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
+        # torchao keeps an fp32 host counter whatever the parameter's device.
+        return torch.tensor(0.0, dtype=torch.float32)
+
+    # ----------------------------------------------------------------------------- update
+    def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
+        beta1, beta2 = group["betas"]
+        lr = torch.as_tensor(group["lr"]).to(device="cpu", dtype=torch.float32)
+        count = step + 1
+        h = _Hyper(
+            lr=lr,
+            lr_wd=lr * group["weight_decay"],
+            bc1=1 - beta1**count,
+            bc2_sqrt=(1 - beta2**count).sqrt(),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+        moments = self._moments(group)
+        full, full_single = [], []
+        for pc in pieces:
+            if self._quantized(pc):
+                self._update_quantized(pc, moments, h)
+                continue
+            state = self.state[pc.param]  # element-wise: any shape, as long as all agree
+            entry = [pc.local(), pc.local_grad(), *(unwrap(state[m]) for m in moments)]
+            (full if pc.sharded else full_single).append(entry)
+        for run in merge_runs(full) + full_single:
+            p, g, *states = run
+            new_p, new_states = _adamw(p, g, [s.float() for s in states], h)
+            for s, new in zip(states, new_states, strict=True):
+                s.copy_(new)
+            p.copy_(new_p)
+
+    def _update_quantized(self, pc: Piece, moments: Sequence[str], h: _Hyper) -> None:
+        grid, _, _ = self._grid(pc)
+        if grid.numel == 0:
+            return
+        state = self.state[pc.param]
+        p, g = flat(pc.local()), pc.local_grad().reshape(-1)
+        device = p.device
+        parts = [
+            (
+                flat(unwrap(state[f"{m}_codes"])),
+                flat(unwrap(state[f"{m}_absmax"])),
+                QuantMap.get(_SIGNED[m], device),
+            )
+            for m in moments
+        ]
+        states = []
+        for codes, absmax, qmap in parts:
+            values = torch.empty(grid.numel, dtype=torch.float32, device=device)
+            dequantize_(values, grid, codes, absmax, qmap)
+            states.append(values)
+        new_p, new_states = _adamw(p, g, states, h)
+        for (codes, absmax, qmap), new in zip(parts, new_states, strict=True):
+            quantize_(new, grid, codes, absmax, qmap)
+        p.copy_(new_p)
+
+
+class _Hyper:
+    """One step's scalars, as fp32 host tensors where torchao uses tensors."""
+
+    __slots__ = ("bc1", "bc2_sqrt", "beta1", "beta2", "eps", "lr", "lr_wd", "maximize")
+
+    def __init__(self, **values: Any) -> None:
+        for k, v in values.items():
+            setattr(self, k, v)
+
+
+def _adamw(p: Tensor, g: Tensor, states: list[Tensor], h: _Hyper) -> tuple[Tensor, list[Tensor]]:
+    """AdamW in fp32 on flat tensors, in torchao's op order (so results are its bits).
+
+    ``states`` are fp32 ``[exp_avg, exp_avg_sq(, max_exp_avg_sq)]``; returns the new parameter
+    values and the new states (to be stored, quantized or not, by the caller).
+    """
+    p32, g32 = p.float(), g.float()
+    if h.maximize:
+        g32 = -g32
+    p32 = p32 - h.lr_wd * p32
+    exp_avg = states[0].lerp(g32, 1 - h.beta1)
+    exp_avg_sq = states[1].lerp(g32.square(), 1 - h.beta2)
+    new_states = [exp_avg, exp_avg_sq]
+    second = exp_avg_sq
+    if len(states) == 3:
+        second = torch.maximum(states[2], exp_avg_sq)
+        new_states.append(second)
+    denom = (second.sqrt() / h.bc2_sqrt) + h.eps
+    p32 = p32 - h.lr * (exp_avg / h.bc1) / denom
+    return p32, new_states
