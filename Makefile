@@ -8,6 +8,7 @@ VENV_FLAGS ?=
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+RUN_ARGS ?=
 
 .PHONY: setup test test-fast run lint format bench clean
 
@@ -25,8 +26,13 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
+# The main job: 2-process pretraining of the tiny LLaMA on the embedded corpus (gloo and the
+# rendezvous on 127.0.0.1; wandb offline). Outputs in runs/demo; Ctrl-C saves a checkpoint and the
+# same command resumes. Overrides: `make run RUN_ARGS="--fsdp fsdp2 --run-dir runs/demo-fsdp2"`.
 run: setup
-	$(BIN)/python -m raggedfsdp.demo
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d \
+		--rdzv-endpoint 127.0.0.1:0 --local-addr 127.0.0.1 \
+		-m recipes.llama.train --run-dir runs/demo --wandb-mode offline $(RUN_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,0 +1,8 @@
+"""LLaMA-style pretraining with raggedfsdp: readable top to bottom, runnable on a laptop CPU.
+
+Reading order: ``config`` (what can be set), ``model`` (the decoder), ``data`` and ``corpus``
+(token files and the embedded default dataset), ``parallel`` (process groups, meshes, wrapping
+with raggedfsdp or PyTorch FSDP2), ``optimizers`` (choice, parameter groups, LR schedule),
+``checkpoint`` (atomic DCP checkpoints), ``metrics`` (MFU, memory, wandb, plot) and finally
+``train``, the loop that uses them all. ``prepare`` is the command that tokenizes text files.
+"""

@@ -1,0 +1,271 @@
+"""The recipe's configuration: one dataclass, presets as TOML files, ``--key value`` overrides.
+
+The defaults are the tiny CPU demo, so ``torchrun ... -m recipes.llama.train`` with no arguments
+runs it. ``--config NAME`` loads ``configs/NAME.toml`` (or any ``.toml`` / ``.json`` path) first;
+the other ``--key value`` / ``--key=value`` pairs then override it, in order. Keys are the field
+names below with ``-`` or ``_`` (``--wandb-mode offline``), model fields are ``--model.<name>``.
+A file holds top-level keys and a ``[model]`` table. Files are read with ``tomllib`` / ``json``
+only: a config can set values, never run code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+__all__ = ["Config", "ConfigError", "ModelConfig", "parse_args", "usage"]
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A config file or command line that cannot be applied (the message says what to fix)."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the LLaMA-style decoder (Llama-3 naming and FFN sizing rule)."""
+
+    dim: Annotated[int, "model width"] = 128
+    n_layers: Annotated[int, "transformer blocks"] = 4
+    n_heads: Annotated[int, "query heads"] = 4
+    n_kv_heads: Annotated[int, "key/value heads (grouped-query attention; = n_heads for MHA)"] = 2
+    vocab_size: Annotated[int, "vocabulary size (>= the tokenizer's; 256 for bytes)"] = 256
+    ffn_dim_multiplier: Annotated[float, "SwiGLU width multiplier on 8/3·dim (Llama-3: 1.3)"] = 1.0
+    multiple_of: Annotated[int, "SwiGLU width is rounded up to a multiple of this"] = 32
+    norm_eps: Annotated[float, "RMSNorm epsilon"] = 1e-5
+    rope_theta: Annotated[float, "RoPE base (Llama-3: 500000)"] = 10000.0
+    tie_embeddings: Annotated[bool, "share the input embedding with the output head"] = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        """Llama-3's rule: 2/3 of 4·dim, times the multiplier, rounded up to ``multiple_of``."""
+        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+    def check(self) -> None:
+        if self.dim % self.n_heads:
+            raise ConfigError(f"model.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
+
+
+Optimizer = Literal["adamw", "adamw8bit", "muon", "shampoo"]
+
+
+@dataclass
+class Config:
+    """Everything a run needs; see ``usage()`` for the list with help."""
+
+    # run
+    run_dir: Annotated[str, "outputs: metrics, plot, checkpoints, wandb run"] = "runs/tiny"
+    seed: Annotated[int, "one seed for init and data order, the same on every rank"] = 0
+    steps: Annotated[int, "optimizer steps in total (a resumed run continues to this)"] = 200
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # data
+    data_dir: Annotated[str, "train.bin, val.bin, meta.json (default: made on first use)"] = (
+        "runs/data/default"
+    )
+    seq_len: Annotated[int, "tokens per sequence"] = 128
+    batch_size: Annotated[int, "sequences per optimizer step, over all ranks"] = 16
+    micro_batch_size: Annotated[int, "sequences per forward/backward on one rank"] = 8
+    # optimizer and schedule
+    optimizer: Annotated[Optimizer, "adamw | adamw8bit | muon | shampoo"] = "adamw"
+    lr: Annotated[float, "peak learning rate (AdamW and Muon's non-matrix parameters)"] = 3e-3
+    muon_lr: Annotated[float, "peak learning rate of Muon's matrices"] = 0.02
+    min_lr_ratio: Annotated[float, "final learning rate as a fraction of the peak"] = 0.1
+    lr_schedule: Annotated[Literal["cosine", "wsd"], "cosine | wsd (warmup-stable-decay)"] = (
+        "cosine"
+    )
+    warmup_steps: Annotated[int, "linear warmup steps"] = 20
+    decay_fraction: Annotated[float, "wsd: fraction of the steps spent decaying"] = 0.2
+    weight_decay: Annotated[float, "decoupled weight decay of matrices (not norms)"] = 0.1
+    beta1: Annotated[float, "Adam beta1 (Muon momentum)"] = 0.9
+    beta2: Annotated[float, "Adam beta2"] = 0.95
+    eps: Annotated[float, "Adam epsilon"] = 1e-8
+    grad_clip: Annotated[float, "max global gradient norm (0: no clipping)"] = 1.0
+    # parallelism and memory
+    fsdp: Annotated[Literal["raggedfsdp", "fsdp2"], "raggedfsdp | fsdp2 (PyTorch)"] = "raggedfsdp"
+    dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
+    mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
+    activation_checkpointing: Annotated[bool, "recompute each block's activations"] = False
+    device: Annotated[Literal["auto", "cpu", "cuda"], "auto: cuda when available"] = "auto"
+    # evaluation, checkpoints, logging
+    eval_every: Annotated[int, "validation every N steps (and at the end; 0: never)"] = 50
+    eval_batches: Annotated[int, "global batches per validation"] = 2
+    checkpoint_every: Annotated[int, "checkpoint every N steps (0: only on SIGINT/SIGTERM)"] = 100
+    keep_checkpoints: Annotated[int, "complete checkpoints kept (older ones are deleted)"] = 2
+    resume: Annotated[str, "auto (latest in run_dir) | never | path of a checkpoint"] = "auto"
+    wandb_mode: Annotated[Literal["online", "offline", "disabled"], "wandb mode"] = "offline"
+    wandb_project: Annotated[str, "wandb project"] = "raggedfsdp"
+    peak_tflops: Annotated[float, "per-device peak for MFU (0: GPU table / measured on CPU)"] = 0.0
+    progress: Annotated[bool, "tqdm progress bar on rank 0"] = True
+
+    def check(self) -> None:
+        """Checks that need no process group (the batch split is checked at start-up)."""
+        self.model.check()
+        positive = ("steps", "seq_len", "batch_size", "micro_batch_size", "dp_replicate")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed} must be >= 0")
+        if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
+            raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _keys(cls: type) -> dict[str, Any]:
+    """Field name -> type, with ``model.<name>`` for the model's fields."""
+    hints = typing.get_type_hints(cls)  # without the Annotated help
+    keys: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            keys.update({f"{f.name}.{k}": t for k, t in _keys(hints[f.name]).items()})
+        else:
+            keys[f.name] = hints[f.name]
+    return keys
+
+
+KEYS = _keys(Config)
+
+
+def _coerce(key: str, kind: Any, value: Any) -> Any:
+    """``value`` (a string from the command line, or a TOML/JSON value) as the field's type."""
+    choices = typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+    try:
+        if choices is not None:
+            if value not in choices:
+                raise ValueError(f"expected one of {', '.join(choices)}")
+            return value
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError("expected true or false")
+            return text in ("true", "1", "yes")
+        if kind is int and isinstance(value, float | bool):
+            raise ValueError("expected an integer")
+        if kind is float and isinstance(value, bool):
+            raise ValueError("expected a number")
+        return kind(value)
+    except ValueError as err:
+        raise ConfigError(f"{key}={value!r}: {err}") from None
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, KEYS, n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    valid = ", ".join(["config", *KEYS])
+    return ConfigError(f"unknown config key {key!r}{hint}. Valid keys: {valid}")
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    key = key.replace("-", "_")
+    if key not in KEYS:
+        raise _unknown(key)
+    target, name = (cfg.model, key[6:]) if key.startswith("model.") else (cfg, key)
+    setattr(target, name, _coerce(key, KEYS[key], value))
+
+
+def _flatten(table: dict[str, Any], source: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            if key != "model":
+                raise ConfigError(f"{source}: table [{key}] is unknown; only [model] is valid")
+            flat.update({f"model.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    return flat
+
+
+def load_file(name: str) -> dict[str, Any]:
+    """A preset name (``configs/<name>.toml``) or a ``.toml`` / ``.json`` path, as flat keys."""
+    path = Path(name)
+    if not path.suffix:
+        path = PRESET_DIR / f"{name}.toml"
+        if not path.is_file():
+            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.toml")))
+            raise ConfigError(f"no preset {name!r}; presets: {presets} (or give a file path)")
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        if path.suffix == ".json":
+            table = json.loads(path.read_text())
+        elif path.suffix == ".toml":
+            import tomllib  # Python 3.11+
+
+            table = tomllib.loads(path.read_text())
+        else:
+            raise ConfigError(f"config file {str(path)!r}: use a .toml or .json file")
+    except (ValueError, ModuleNotFoundError) as err:  # tomllib/json decode errors subclass it
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {err}") from None
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a table of keys")
+    return _flatten(table, str(path))
+
+
+def _pairs(argv: list[str]) -> list[tuple[str, str]]:
+    """``--key value``, ``--key=value`` and bare ``--flag`` (true) as (key, value) pairs."""
+    pairs, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"expected --key value, got {arg!r} (see --help)")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            else:
+                value = "true"
+        pairs.append((key, value))
+        i += 1
+    return pairs
+
+
+def parse_args(argv: list[str]) -> Config:
+    """Defaults, then every ``--config`` file, then the other pairs in command-line order."""
+    pairs = _pairs(argv)
+    cfg = Config()
+    for key, value in pairs:
+        if key == "config":
+            for file_key, file_value in load_file(value).items():
+                _set(cfg, file_key, file_value)
+    for key, value in pairs:
+        if key != "config":
+            _set(cfg, key, value)
+    cfg.check()
+    return cfg
+
+
+def usage() -> str:
+    """Every key with its default and help, for ``--help``."""
+    lines = ["--config NAME|PATH             preset (configs/*.toml) or a .toml/.json file"]
+    for owner, prefix in ((Config(), ""), (ModelConfig(), "model.")):
+        hints = typing.get_type_hints(type(owner), include_extras=True)
+        for f in dataclasses.fields(owner):
+            if f.name == "model":
+                continue
+            name = f"--{prefix}{f.name.replace('_', '-')}"
+            help_text = hints[f.name].__metadata__[0]
+            lines.append(f"{name:<30} {getattr(owner, f.name)!s:<18} {help_text}")
+    return "\n".join(lines)

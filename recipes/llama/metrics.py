@@ -1,0 +1,153 @@
+"""What a run reports: MFU, peak memory, and rank 0's logger (tqdm, metrics.jsonl, wandb, plot).
+
+``metrics.jsonl`` in the run directory is the record of the run (one JSON object per step, kept
+across resumes: a resumed run drops the steps after its checkpoint and appends); wandb gets the
+same dicts, and the loss-curve PNG is drawn from the file at the end, so it shows the whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes.llama.config import Config
+
+__all__ = ["RunLogger", "peak_flops", "peak_memory_bytes", "plot_losses"]
+
+# Dense bf16 tensor-core peaks (TFLOP/s) by device name; anything else: set --peak-tflops.
+GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the caching allocator's peak. CPU: the process's peak resident set (VmHWM), which
+    also counts the allocator's cached free memory (see REFERENCE §6 for a tighter set-up)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
+
+
+def peak_flops(cfg: Config, device: torch.device) -> tuple[float, str]:
+    """(per-device peak FLOP/s, where it came from); 0 when unknown (MFU is then not logged).
+
+    On CPU there is no datasheet number that means anything for one process of many, so the
+    peak is *measured*: dense matmuls in the compute dtype for ~0.2 s, run by every rank at
+    once so the cores are shared as during training. MFU on CPU is thus relative to what this
+    process can actually get out of a matmul.
+    """
+    if cfg.peak_tflops > 0:
+        return cfg.peak_tflops * 1e12, "configured"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tflops = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), 0.0)
+        return tflops * 1e12, f"{name} bf16 datasheet" if tflops else f"unknown GPU {name}"
+    dtype = torch.bfloat16 if cfg.mixed_precision == "bf16" else torch.float32
+    a = torch.randn(256, 256, dtype=dtype)
+    a @ a  # warm-up
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < 0.2:
+        a @ a
+        count += 1
+    return 2 * 256**3 * count / elapsed, f"measured {dtype} matmul on this process"
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Training loss per step and validation loss where measured, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed (and none on a cluster node)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train")
+    val = [r for r in records if "val_loss" in r]
+    if val:
+        ax.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+class RunLogger:
+    """Rank 0's outputs; on the other ranks (``enabled=False``) every method does nothing."""
+
+    def __init__(self, cfg: Config, enabled: bool, start_step: int, info: dict[str, Any]) -> None:
+        self.enabled, self.cfg = enabled, cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.records_path = self.run_dir / "metrics.jsonl"
+        self.records: list[dict[str, Any]] = []
+        self.wandb_run = None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.records_path.is_file():  # a resumed run continues the record at its step
+            old = [json.loads(line) for line in self.records_path.read_text().splitlines()]
+            self.records = [r for r in old if r["step"] <= start_step]
+        self.records_path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        if cfg.wandb_mode != "disabled" and start_step < cfg.steps:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError(
+                    "wandb is not installed: pip install wandb, or --wandb-mode disabled"
+                ) from None
+            self.wandb_run = wandb.init(
+                project=cfg.wandb_project,
+                group=self.run_dir.name,
+                name=f"{self.run_dir.name}-from-{start_step}",
+                dir=str(self.run_dir),
+                mode=cfg.wandb_mode,
+                config={**cfg.to_dict(), **info},
+            )
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, unit="step")
+
+    def write(self, text: str) -> None:
+        """A line on the terminal that does not break the progress bar."""
+        if self.enabled:
+            self.bar.write(text)
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.records.append(metrics)
+        with self.records_path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(metrics, step=metrics["step"])
+        self.bar.update(1)
+        self.bar.set_postfix(
+            loss=f"{metrics['loss']:.3f}",
+            lr=f"{metrics['lr']:.2e}",
+            tok_s=f"{metrics['tokens_per_s']:.0f}",
+        )
+
+    def close(self, summary: dict[str, Any] | None) -> Path | None:
+        """Finish wandb, write ``summary.json`` and the plot (returning its path); ``None``:
+        nothing ran, so the files of the run that did stay as they are."""
+        if not self.enabled:
+            return None
+        self.bar.close()
+        if summary is None:
+            return None
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        if self.wandb_run is not None:
+            self.wandb_run.summary.update(summary)
+            self.wandb_run.finish()
+        path = self.run_dir / "loss.png"
+        title = f"{self.run_dir.name}: {self.cfg.optimizer}, {self.cfg.fsdp}"
+        plot_losses(self.records, path, title)
+        return path

@@ -1,0 +1,142 @@
+"""Process groups, the device mesh, and wrapping the model with raggedfsdp or PyTorch FSDP2.
+
+The recipe runs under ``torchrun`` (one process per device, any number of nodes) or as a plain
+``python -m`` process (a world of one). ``--fsdp fsdp2`` swaps ``raggedfsdp.fully_shard`` for
+``torch.distributed.fsdp.fully_shard`` with the same per-block wrapping and mixed precision, so
+the two can be compared on the same run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+import raggedfsdp
+from raggedfsdp.sharding import ShardPolicy
+from recipes.llama.config import Config, ConfigError
+from recipes.llama.model import Transformer
+
+__all__ = ["Env", "build_model", "clip_gradients", "distributed"]
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class Env:
+    """Where this process sits: global rank and size, its device, the data-parallel mesh."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but torch sees no CUDA device")
+    if choice == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _pin_gloo_to_loopback() -> None:
+    """A rendezvous on 127.0.0.1 means one machine: keep gloo's sockets on loopback too
+    (otherwise gloo binds the address the hostname resolves to)."""
+    if os.environ.get("MASTER_ADDR", "127.0.0.1") in LOOPBACK:
+        names = {name for _, name in socket.if_nameindex()}
+        loopback = next((n for n in ("lo", "lo0") if n in names), None)
+        if loopback is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+
+
+def _mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
+    if world_size % replicate:
+        raise ConfigError(
+            f"dp_replicate={replicate} must divide the number of processes ({world_size})"
+        )
+    if replicate == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    shape = (replicate, world_size // replicate)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+@contextmanager
+def distributed(cfg: Config) -> Iterator[Env]:
+    """Join (or create) the default process group for the run, and leave what we created."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = _device(cfg.device, local_rank)
+    created = not dist.is_initialized()
+    if created:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:  # torchrun
+            if backend == "gloo":
+                _pin_gloo_to_loopback()
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        yield Env(rank, world, local_rank, device, _mesh(device, world, cfg.dp_replicate))
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def _wrapper(
+    cfg: Config, mesh: DeviceMesh, policy: ShardPolicy | None
+) -> Callable[[nn.Module], Any]:
+    """``fully_shard`` of raggedfsdp or FSDP2 with the run's mesh and mixed precision.
+
+    ``policy`` is the optimizer's unit rule (8-bit blocks, whole Muon matrices); it applies to
+    raggedfsdp only, since FSDP2 always cuts even rows.
+    """
+    bf16 = cfg.mixed_precision == "bf16"
+    if cfg.fsdp == "raggedfsdp":
+        mp = raggedfsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+        return partial(raggedfsdp.fully_shard, mesh=mesh, mp_policy=mp, shard_policy=policy)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp2 = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    return partial(fully_shard, mesh=mesh, mp_policy=mp2)
+
+
+def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transformer:
+    """The sharded model: built on the meta device, then each block is allocated, initialised
+    and wrapped in turn (one communication group per block), then the root (embeddings, final
+    norm, head), as torchtitan does. No process ever holds more than one unsharded block beyond
+    its shards, so a 70B model starts like a tiny one."""
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
+    wrap = _wrapper(cfg, env.mesh, policy)
+    for index, block in enumerate(model.layers):
+        model.materialize_block(index, env.device, cfg.seed)
+        wrap(block)
+    model.materialize_root(env.device, cfg.seed)
+    wrap(model)
+    return model
+
+
+def clip_gradients(model: nn.Module, cfg: Config) -> float:
+    """Clip to ``cfg.grad_clip`` (0: measure only) and return the global norm before it."""
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+    if cfg.fsdp == "raggedfsdp":
+        return raggedfsdp.clip_grad_norm_(model.parameters(), max_norm).item()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()
