@@ -377,3 +377,22 @@ def _checkpoint_wrapper_parity(steps: int) -> float:
 @pytest.mark.parametrize("world_size", [2])
 def test_checkpoint_wrapper_recomputes_with_unsharded_params(pool):
     assert max(pool.run(_checkpoint_wrapper_parity, 3)) < 2e-5
+
+
+def _mismatched(kind: str) -> str:
+    model = make_model(hidden=40 if dist.get_rank() == 0 or kind != "shape" else 48)
+    policy = row_units(2) if dist.get_rank() == 1 and kind == "policy" else None
+    _shard(model, shard_policy=policy)
+    try:
+        loss_fn(model, *batch(0, 2))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("kind", ["shape", "policy"])
+def test_ranks_with_different_models_fail_before_the_first_collective(pool, kind):
+    for message in pool.run(_mismatched, kind):
+        assert "differs across ranks" in message, message
+        assert "layers.0" in message or "root" in message

@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
 
@@ -158,6 +159,7 @@ class FSDPState:
         for path, module in named:
             if module._raggedfsdp_state.group is not None:
                 module._raggedfsdp_state.group.name = path or f"root ({type(root).__name__})"
+        _check_ranks_agree(states)
         ctx = RootContext(states)
         for state in states:
             if state.ctx is None:
@@ -226,6 +228,29 @@ class FSDPState:
                 self.ctx.reduce(group)
 
         return hook
+
+
+def _check_ranks_agree(states: list[FSDPState]) -> None:
+    """Before the first collective: every rank must have wrapped the same model the same way
+    (a different model, shard policy or mixed-precision setting would plan other layouts and
+    exchange the wrong bytes). One fingerprint all-reduce over the first group's mesh."""
+    groups = [s.group for s in states if s.group is not None]
+    if not groups or groups[0].mesh.shard_size * groups[0].mesh.replicate_size == 1:
+        return
+    signatures = [
+        (
+            f"{g.name}: {mp.fqn}",
+            f"group {g.name!r} parameter {mp.fqn!r}: shape {g.layout.by_name[mp.fqn].shape}, "
+            f"{g.orig_dtype}, unit {g.layout.by_name[mp.fqn].unit}, offset "
+            f"{g.layout.offsets[mp.fqn]} of a {g.layout.segment_size}-element segment, "
+            f"requires_grad {mp.requires_grad}, {state.mp_policy}, reshard_after_forward "
+            f"{state.reshard_after_forward}",
+        )
+        for state in states
+        if (g := state.group) is not None
+        for mp in g.params
+    ]
+    check_fingerprint(groups[0].mesh, signatures, what="fully_shard parameter")
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

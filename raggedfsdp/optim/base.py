@@ -37,8 +37,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
+from raggedfsdp.comm.fingerprint import check_fingerprint, collective_device
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.checks import check_fingerprint, check_grad, collective_device
+from raggedfsdp.optim.checks import check_grad
 from raggedfsdp.optim.dropin import DropInBucket
 from raggedfsdp.optim.pieces import Mode, Piece, storage_bytes, unwrap
 from raggedfsdp.sharding import RaggedShard, RaggedTensor, ShardPolicy
