@@ -114,8 +114,14 @@ class ShardedOptimizer(Optimizer):
     #: Group hyper-parameters that decide which state tensors exist; a checkpoint must agree.
     _state_keys_depend_on: tuple[str, ...] = ()
 
+    #: Skip a step on every rank when any reduced gradient holds inf/NaN (one flag all-reduce
+    #: per step when on). Off by default, as in torch, where such a step poisons the state;
+    #: turn it on for long runs (``opt.skip_nonfinite_steps = True``). ``skipped_steps`` counts.
+    skip_nonfinite_steps: bool = False
+
     def __init__(self, params: Any, defaults: dict[str, Any], *, mesh: MeshLike = None) -> None:
         self._mesh: ShardMesh = resolve_mesh(mesh)
+        self.skipped_steps = 0
         self._pieces: dict[Tensor, Piece] = {}
         self._buckets: list[DropInBucket] = []
         self._built = False
@@ -344,6 +350,9 @@ class ShardedOptimizer(Optimizer):
         if self._mesh.replicate_size > 1:
             for handle in [b.all_reduce_replicas() for b in active]:
                 handle.wait()
+        if self.skip_nonfinite_steps and not self._gradients_finite(has_grad):
+            self.skipped_steps += 1  # nothing was updated: parameters and state stay as they were
+            return loss
         for group in self.param_groups:
             pieces = [self._pieces[p] for p in group["params"]]
             stepping = [pc for pc in pieces if has_grad[pc]]
@@ -391,6 +400,20 @@ class ShardedOptimizer(Optimizer):
                 for p in b.plist:
                     flags[self._pieces[p]] = bool(next(merged))
         return flags
+
+    def _gradients_finite(self, has_grad: dict[Piece, bool]) -> bool:
+        """Whether every rank's reduced gradient pieces are finite (one MAX all-reduce over the
+        default group, so all ranks of the job skip together)."""
+        bad = any(
+            not bool(torch.isfinite(unwrap(pc.local_grad())).all())
+            for pc, flag in has_grad.items()
+            if flag and pc.numel
+        )
+        if not dist.is_initialized():
+            return not bad
+        flag = torch.tensor([int(bad)], device=collective_device(None))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return not bool(flag.item())
 
     def _lockstep(
         self, pieces: Sequence[Piece], stepping: Sequence[Piece]

@@ -1,0 +1,57 @@
+"""Plot raggedfsdp / FSDP2 ratios from the JSON lines of ``fsdp_vs_fsdp2.py`` runs.
+
+    python benchmarks/fsdp_vs_fsdp2.py ... | grep '^{' >> benchmarks/results/fsdp_vs_fsdp2.jsonl
+    python benchmarks/plot_fsdp_vs_fsdp2.py [--results ...jsonl] [--out ...png]
+
+One group of bars per configuration (unshard+reshard, training step, peak memory); the dashed
+line at 1.0 is FSDP2, the goals of the fully_shard issue are marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+RESULTS = Path(__file__).parent / "results"
+METRICS = [
+    ("unshard_reshard", "unshard+reshard", 0.8),
+    ("step", "training step", 0.9),
+    ("peak_memory", "peak memory", 0.85),
+]
+
+
+def label(run: dict) -> str:
+    a = run["args"]
+    text = f"W={a['world_size']}, {run['params'] / 1e6:.0f}M"
+    return text + (", AC" if a.get("activation_checkpointing") else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS / "fsdp_vs_fsdp2.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "fsdp_vs_fsdp2.png")
+    args = parser.parse_args()
+    runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    width = 0.8 / len(METRICS)
+    fig, ax = plt.subplots(figsize=(2.2 * len(runs) + 2, 4))
+    for i, (key, name, goal) in enumerate(METRICS):
+        xs = [j + i * width for j in range(len(runs))]
+        ax.bar(xs, [r["ratio"][key] for r in runs], width, label=f"{name} (goal ≤ {goal})")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="FSDP2")
+    ax.set_xticks([j + width for j in range(len(runs))], [label(r) for r in runs])
+    ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")
+    ax.set_title("fully_shard vs PyTorch FSDP2, same process run (CPU, gloo)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
