@@ -47,7 +47,7 @@ def main() -> None:
     ax.set_xticks([j + width for j in range(len(runs))], [label(r) for r in runs])
     ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")
     ax.set_title("fully_shard vs PyTorch FSDP2, same process run (CPU, gloo)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
