@@ -87,8 +87,9 @@ class ParamGroup:
                     "one device. Move/cast the module first, or wrap the differing submodule "
                     "in its own fully_shard call."
                 )
+        units = _units(shard_policy, params, self.orig_dtype, mesh.shard_size)
         specs = [
-            TensorSpec(mp.fqn, tuple(mp.original.shape), self.orig_dtype, _unit(shard_policy, mp))
+            TensorSpec(mp.fqn, tuple(mp.original.shape), self.orig_dtype, units[mp.fqn])
             for mp in params
         ]
         self.layout: Layout = _plan_layout(specs, mesh.shard_size)
@@ -297,11 +298,21 @@ class ParamGroup:
                     mp.sharded.grad = RaggedTensor(local, spec, rank, group)
 
 
-def _unit(policy: ShardPolicy, mp: ManagedParam) -> int:
-    unit = policy(mp.fqn, mp.original)
-    if not isinstance(unit, int) or unit < 1:
-        raise ValueError(
-            f"shard_policy returned unit={unit!r} for parameter {mp.fqn!r}; it must return a "
-            "positive number of elements (e.g. raggedfsdp.sharding.row_units(32))"
-        )
-    return unit
+def _units(
+    policy: ShardPolicy, params: list[ManagedParam], dtype: torch.dtype, world: int
+) -> dict[str, int]:
+    """Each parameter's unit. A policy may decide for the whole group at once through
+    ``units_for_group(tensors, world_size)`` (e.g. Muon keeping matrices whole only where that
+    adds no padding); otherwise it is asked per parameter."""
+    if hasattr(policy, "units_for_group"):
+        tensors = [(mp.fqn, tuple(mp.original.shape), dtype) for mp in params]
+        units = policy.units_for_group(tensors, world)
+    else:
+        units = {mp.fqn: policy(mp.fqn, mp.original) for mp in params}
+    for fqn, unit in units.items():
+        if not isinstance(unit, int) or unit < 1:
+            raise ValueError(
+                f"shard_policy returned unit={unit!r} for parameter {fqn!r}; it must return a "
+                "positive number of elements (e.g. raggedfsdp.sharding.row_units(32))"
+            )
+    return units

@@ -1,4 +1,5 @@
-"""Sharded optimizers: ``AdamW`` and block-quantized ``AdamW8bit`` (``Muon``, ``Shampoo`` to come).
+"""Sharded optimizers: ``AdamW``, block-quantized ``AdamW8bit``, ``Muon`` and
+blocked ``Shampoo``.
 
 Each works unchanged in three modes: one process (torch's behaviour), drop-in ZeRO-2 over plain
 replicated parameters under a process group, and FSDP over ``RaggedTensor`` parameters. Each
@@ -8,5 +9,16 @@ declares the unit its math needs with ``shard_policy()``, which ``fully_shard`` 
 from raggedfsdp.optim.adamw import AdamW
 from raggedfsdp.optim.adamw8bit import AdamW8bit
 from raggedfsdp.optim.base import ShardedOptimizer, StateBytes, StateSpec
+from raggedfsdp.optim.muon import Muon, split_muon_params
+from raggedfsdp.optim.shampoo import Shampoo
 
-__all__ = ["AdamW", "AdamW8bit", "ShardedOptimizer", "StateBytes", "StateSpec"]
+__all__ = [
+    "AdamW",
+    "AdamW8bit",
+    "Muon",
+    "Shampoo",
+    "ShardedOptimizer",
+    "StateBytes",
+    "StateSpec",
+    "split_muon_params",
+]

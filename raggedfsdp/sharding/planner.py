@@ -472,7 +472,7 @@ def _search(sizes, align: int, pack: Callable[[int], list[int] | None], lo: int,
 
 def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[int] | None]]:
     """The packing strategies tried: three fixed orders for every group and, for small groups
-    where they cost little, the least-waste order and more orders: all of them for up to four
+    where they cost little, the least-waste order and more orders: all of them for up to five
     tensors, else seeded random ones (a fixed seed, so every rank computes the same plan)."""
     sizes = packer.sizes
     orders = {
@@ -496,7 +496,7 @@ def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[i
 
 #: Groups up to this many tensors also get the O(T²) least-waste order and random orders.
 _SMALL_GROUP = 64
-_EXTRA_ORDERS = 24
+_EXTRA_ORDERS = 120  # all orders of up to five tensors, else this many sampled
 #: Packings spent re-checking smaller S after the searches (feasibility is not monotone in S).
 _SWEEP_BUDGET = 2048
 

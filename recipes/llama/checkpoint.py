@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from raggedfsdp.checkpoint import load as safe_load
 from recipes.llama.config import Config
 from recipes.llama.parallel import Env
 
@@ -220,7 +221,7 @@ class Checkpointer:
                 f"{self.data_position}: batches from here on differ from the original run's"
             )
         state = self._state(model, optimizer, TrainState())
-        dcp.load(state, checkpoint_id=path)
+        safe_load(state, str(path))  # metadata read with an allow-list unpickler
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )

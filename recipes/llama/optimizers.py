@@ -50,11 +50,22 @@ class Choice:
     torch_fallback: type[torch.optim.Optimizer] | None = None
 
 
+def muon_kwargs(cfg: Config) -> dict[str, Any]:
+    """Muon's own lr comes with its group (``muon_lr``); the AdamW groups use these."""
+    return {"lr": cfg.lr, "adamw_betas": (cfg.beta1, cfg.beta2), "adamw_eps": cfg.eps}
+
+
+def shampoo_kwargs(cfg: Config) -> dict[str, Any]:
+    """Adam grafting sets the step size, so Adam's lr and betas carry over; a well-conditioned
+    epsilon for the factors' inverse roots."""
+    return {"lr": cfg.lr, "betas": (cfg.beta1, 1.0), "epsilon": 1e-8, "grafting_beta2": cfg.beta2}
+
+
 CHOICES: dict[str, Choice] = {
     "adamw": Choice("AdamW", torch_fallback=torch.optim.AdamW),
     "adamw8bit": Choice("AdamW8bit"),
-    "muon": Choice("Muon", split_matrices=True),
-    "shampoo": Choice("Shampoo"),
+    "muon": Choice("Muon", split_matrices=True, kwargs=muon_kwargs),
+    "shampoo": Choice("Shampoo", kwargs=shampoo_kwargs),
 }
 
 

@@ -1,0 +1,302 @@
+"""Distributed Muon step: owner compute on ragged shards vs FSDP2 + torch Muon vs gather-all.
+
+Same gloo run (127.0.0.1), W=2 then W=4, a small transformer's hidden matrices (per layer wq, wk,
+wv, wo of d×d and w1, w3 of 4d×d, w2 of d×4d), the same full gradients on every rank (so no
+gradient reduction is timed: only the optimizer step). Variants, each timed between barriers,
+the order rotating every round:
+
+* ``ours``: ``raggedfsdp.optim.Muon`` over RaggedTensor parameters, one planned flat buffer per
+  layer with ``Muon.shard_policy()`` ("auto": matrices whole where that adds no padding);
+* ``ours_split``: the same optimizer on FSDP2's layout (every matrix split row-wise over all
+  ranks), so every matrix travels to its owner and back: the communication path;
+* ``fsdp2``: (a) ``torch.distributed.fsdp.fully_shard`` + ``torch.optim.Muon`` on DTensors;
+* ``gather``: (b) Moonlight style on FSDP2's layout: momentum on the shard, one all-gather of
+  every bf16 NS input, every rank orthogonalises every matrix and applies its own piece.
+
+Bytes are those this rank receives from other ranks per step: ours from ``last_step_stats``;
+gather from the all-gather size; fsdp2 from the sizes of DTensor's functional collectives
+(all-gather (W-1)·in, ring all-reduce 2(W-1)/W·in, reduce-scatter (W-1)/W·in).
+
+    .venv/bin/python benchmarks/muon_step.py                 # table + one JSON line
+    .venv/bin/python benchmarks/muon_step.py --dim 128 --layers 2 --rounds 5 --worlds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor.debug import CommDebugMode
+
+from raggedfsdp.optim import Muon
+from raggedfsdp.optim.muon import newton_schulz
+from raggedfsdp.sharding import FlatBuffer, RaggedShard, RaggedTensor, TensorSpec, plan_layout
+
+HYPER = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
+COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def layer_shapes(dim: int) -> dict[str, tuple[int, int]]:
+    qkvo = {k: (dim, dim) for k in ("wq", "wk", "wv", "wo")}
+    return qkvo | {"w1": (4 * dim, dim), "w3": (4 * dim, dim), "w2": (dim, 4 * dim)}
+
+
+def _ragged(layers, dim, policy, rank, world) -> dict[str, torch.nn.Parameter]:
+    """RaggedTensor parameters. ``policy`` None: FSDP2's layout (each matrix split row-wise over
+    all ranks, its own allocation); else one planned flat buffer per layer (as ``fully_shard``
+    per block makes them) with that policy's units."""
+    out = {}
+    for i in range(layers):
+        shapes = {f"l{i}.{n}": s for n, s in layer_shapes(dim).items()}
+        gen = torch.Generator().manual_seed(i)
+        full = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+        if policy is None:
+            for n, t in full.items():
+                spec = RaggedShard.row_wise(t.shape, world, name=n)
+                start, stop = spec.local_range(rank)
+                local = t.reshape(-1)[start:stop].clone()
+                out[n] = torch.nn.Parameter(RaggedTensor(local, spec, rank))
+            continue
+        specs = [
+            TensorSpec(n, s, "float32", policy(n, torch.empty(s, device="meta")))
+            for n, s in shapes.items()
+        ]
+        layout = plan_layout(specs, world)
+        buf = FlatBuffer(layout, rank, torch.float32)
+        buf.load_full_tensors(full)
+        for n in shapes:
+            out[n] = torch.nn.Parameter(RaggedTensor(buf.shard_view(n), layout.shards[n], rank))
+    return out
+
+
+class _Block(torch.nn.Module):
+    """A module FSDP2 can wrap: the layer's matrices, an identity forward."""
+
+    def __init__(self, shapes: dict[str, tuple[int, int]]) -> None:
+        super().__init__()
+        self.mats = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes.values()
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class _Gather:
+    """(b): all-gather every NS input (bf16), NS on all matrices on every rank."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter]) -> None:
+        self.params = params
+        self.bufs = {n: torch.zeros_like(p.local) for n, p in params.items()}
+        self.bytes = 0
+
+    def step(self) -> None:
+        world = dist.get_world_size()
+        local, pieces = [], []
+        for n, p in self.params.items():
+            g = p.grad.local
+            self.bufs[n].lerp_(g, 1 - HYPER["momentum"])
+            pieces.append(g.lerp(self.bufs[n], HYPER["momentum"]).bfloat16())
+        # pad every rank's part to the longest (all_gather_into_tensor needs equal sizes)
+        lengths = [[p.ragged_shard.length(r) for p in self.params.values()] for r in range(world)]
+        seg = max(sum(x) for x in lengths)
+        local = torch.zeros(seg, dtype=torch.bfloat16)
+        torch.cat(pieces, out=local[: sum(x.numel() for x in pieces)])
+        full = torch.empty(world * seg, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(full, local)
+        self.bytes = (world - 1) * seg * 2
+        rank = dist.get_rank()
+        for i, p in enumerate(self.params.values()):
+            whole = torch.cat(
+                [full[r * seg + sum(lengths[r][:i]) :][: lengths[r][i]] for r in range(world)]
+            )
+            o = newton_schulz(whole.view(p.shape), COEFFS, 5, 1e-7).reshape(-1)
+            start, stop = p.ragged_shard.local_range(rank)
+            m, k = p.shape
+            p.local.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
+            p.local.add_(o[start:stop], alpha=-HYPER["lr"] * max(1, m / k) ** 0.5)
+
+
+class _CommBytes(CommDebugMode):
+    """Bytes this rank receives in DTensor's collectives (CommDebugMode sees them)."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__()
+        self.world, self.bytes, self.calls = world, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "c10d" in name and "wait" not in name and args:
+            t = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+            n, w = t.numel() * t.element_size(), self.world
+            if "all_gather" in name:
+                self.bytes += (w - 1) * n
+            else:  # ring all-reduce receives 2 (W-1)/W, reduce-scatter (W-1)/W
+                self.bytes += (2 if "all_reduce" in name else 1) * (w - 1) * n // w
+            self.calls += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    shapes = {f"l{i}.{n}": s for i in range(args.layers) for n, s in layer_shapes(args.dim).items()}
+    grads = [
+        {
+            n: torch.randn(s, generator=torch.Generator().manual_seed(100 * k + j)) * 0.01
+            for j, (n, s) in enumerate(shapes.items())
+        }
+        for k in range(2)
+    ]
+    variants, setters, bytes_of = {}, {}, {}
+
+    for name, policy in (("ours", Muon.shard_policy()), ("ours_split", None)):
+        params = _ragged(args.layers, args.dim, policy, rank, world)
+        opt = Muon(list(params.items()), **HYPER)
+        variants[name] = opt.step
+        setters[name] = params
+        bytes_of[name] = lambda o=opt: o.last_step_stats["bytes_received"]
+    params = _ragged(args.layers, args.dim, None, rank, world)
+    gather = _Gather(params)
+    variants["gather"], setters["gather"], bytes_of["gather"] = (
+        gather.step,
+        params,
+        lambda: gather.bytes,
+    )
+
+    def set_grads(params, full) -> None:
+        for n, p in params.items():
+            start, stop = p.ragged_shard.local_range(rank)
+            p.grad = RaggedTensor(full[n].reshape(-1)[start:stop].clone(), p.ragged_shard, rank)
+
+    fsdp2_error = None
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = torch.nn.Sequential()
+        named = {}
+        for i in range(args.layers):
+            layer = {n: sh for n, sh in shapes.items() if n.startswith(f"l{i}.")}
+            block = _Block(layer)
+            model.append(block)
+            fsdp2_fully_shard(block, mesh=mesh)
+            named |= dict(zip(layer, block.mats, strict=True))
+        fsdp2_fully_shard(model, mesh=mesh)
+        torch_opt = torch.optim.Muon(list(named.values()), **HYPER)
+        counter = _CommBytes(world)
+
+        def fsdp2_step() -> None:
+            counter.bytes = counter.calls = 0
+            with counter:
+                torch_opt.step()
+
+        def fsdp2_grads(full) -> None:
+            for n, p in named.items():
+                local = torch.chunk(full[n], world)[rank].clone()
+                p.grad = DTensor.from_local(
+                    local, mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
+
+        fsdp2_grads(grads[0])
+        fsdp2_step()  # fails here if DTensor cannot run torch's Muon at this W
+        variants["fsdp2"], bytes_of["fsdp2"] = fsdp2_step, lambda: counter.bytes
+    except Exception as e:  # reported in the table, not hidden
+        fsdp2_error = f"{type(e).__name__}: {str(e)[:200]}"
+
+    def prepare(name: str, k: int) -> None:
+        if name == "fsdp2":
+            fsdp2_grads(grads[k % 2])
+        else:
+            set_grads(setters[name], grads[k % 2])
+
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for name in names:  # warm-up
+        prepare(name, 0)
+        variants[name]()
+    for k in range(args.rounds):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            prepare(name, k)
+            dist.barrier()
+            t0 = time.perf_counter()
+            variants[name]()
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        ours_stats = {}
+        for n in ("ours", "ours_split"):
+            s = variants[n].__self__.last_step_stats
+            ours_stats[n] = {
+                k: s[k] for k in ("matrices", "matrices_local", "ns_flops_max", "ns_flops_mean")
+            }
+        out.put(
+            {
+                "world": world,
+                "median_s": {n: statistics.median(t) for n, t in times.items()},
+                "bytes_received_rank0": {n: int(b()) for n, b in bytes_of.items()},
+                "fsdp2_error": fsdp2_error,
+                "fsdp2_collectives": counter.calls if "fsdp2" in variants else None,
+                "stats": ours_stats,
+            }
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    results = []
+    for world in args.worlds:
+        queue = ctx.Queue()
+        mp.start_processes(
+            _worker,
+            args=(world, _free_port(), args, queue),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
+        results.append(queue.get())
+    print(f"{'W':>2} {'variant':>10} {'median ms':>10} {'MB recv':>9} {'ratio ours/x':>13}")
+    summary = {"dim": args.dim, "layers": args.layers, "rounds": args.rounds, "worlds": {}}
+    for r in results:
+        med, nbytes = r["median_s"], r["bytes_received_rank0"]
+        ratios = {f"ours_vs_{n}": med["ours"] / med[n] for n in med if n != "ours"}
+        for n in med:
+            ratio = f"{med['ours'] / med[n]:.2f}" if n != "ours" else ""
+            print(
+                f"{r['world']:>2} {n:>10} {med[n] * 1e3:>10.1f} {nbytes[n] / 1e6:>9.2f} {ratio:>13}"
+            )
+        if r["fsdp2_error"]:
+            print(f"{r['world']:>2}      fsdp2 failed: {r['fsdp2_error']}")
+        summary["worlds"][r["world"]] = r | {"step_ratios": ratios}
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
