@@ -1,7 +1,9 @@
 """One rank of a fault-injection run (see test_faults.py): trains a tiny sharded model, and on
-``--kill-rank`` dies by SIGKILL at the ``--at``-th call of ``--collective``.
+``--kill-rank`` dies by SIGKILL at the ``--at``-th call of ``--collective`` (a function name in
+raggedfsdp.fsdp.param_group, or in raggedfsdp.optim.owner_compute with ``--optimizer muon``).
 
     python -m tests.fault_worker --rank R --world W --port P --kill-rank K --collective C --at N
+        [--optimizer adamw|muon]
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     for flag in ("--rank", "--world", "--port", "--kill-rank", "--at"):
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--collective", required=True)
+    parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     parser.add_argument("--timeout", type=float, default=20.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -46,16 +49,22 @@ def main() -> None:
         timeout=timedelta(seconds=args.timeout),
     )
     import raggedfsdp.fsdp.param_group as param_group
+    import raggedfsdp.optim.owner_compute as owner_compute
     from raggedfsdp import fully_shard
+    from raggedfsdp.optim import Muon, split_muon_params
     from tests.tiny_models import batch, loss_fn, make_model
 
     if args.rank == args.kill_rank:
-        _die_at(param_group, args.collective, args.at)
+        module = owner_compute if args.optimizer == "muon" else param_group
+        _die_at(module, args.collective, args.at)
     model = make_model()
     for layer in model.layers:
-        fully_shard(layer)
+        fully_shard(layer)  # element units: Muon's matrices are cut, so pieces must travel
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.optimizer == "muon":
+        opt = Muon(split_muon_params(model), lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(3):
         loss_fn(model, *batch(step, 2)).backward()
         opt.step()

@@ -21,29 +21,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(world: int, kill_rank: int, collective: str, at: int, timeout: float = 20.0):
+def _run(
+    world: int, kill_rank: int, collective: str, at: int, optimizer: str, timeout: float = 20.0
+):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
             [
-                sys.executable,
-                "-m",
-                "tests.fault_worker",
-                "--rank",
-                str(r),
-                "--world",
-                str(world),
-                "--port",
-                str(port),
-                "--kill-rank",
-                str(kill_rank),
-                "--collective",
-                collective,
-                "--at",
-                str(at),
-                "--timeout",
-                str(timeout),
+                *(sys.executable, "-m", "tests.fault_worker", "--rank", str(r)),
+                *("--world", str(world), "--port", str(port), "--kill-rank", str(kill_rank)),
+                *("--collective", collective, "--at", str(at), "--timeout", str(timeout)),
+                *("--optimizer", optimizer),
             ],
             cwd=ROOT,
             env=env,
@@ -68,18 +57,20 @@ def _run(world: int, kill_rank: int, collective: str, at: int, timeout: float = 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("collective", "at", "phase"),
+    ("collective", "at", "optimizer", "expected"),
     [
-        ("all_gather_flat", 3, "forward all-gather"),  # 3rd gather: a block in forward
-        ("reduce_scatter_flat", 2, "backward reduce-scatter"),
+        # the 3rd gather is a block's, in forward
+        ("all_gather_flat", 3, "adamw", "raggedfsdp: all-gather of fully_shard group"),
+        ("reduce_scatter_flat", 2, "adamw", "raggedfsdp: reduce-scatter of fully_shard group"),
+        ("all_to_all_uneven", 1, "muon", "raggedfsdp: all-to-all of matrix pieces to their owners"),
     ],
+    ids=["forward-all-gather", "backward-reduce-scatter", "muon-all-to-all"],
 )
-def test_a_killed_rank_fails_the_others_fast_and_clearly(collective, at, phase):
-    results, elapsed = _run(world=3, kill_rank=1, collective=collective, at=at)
+def test_a_killed_rank_fails_the_others_fast_and_clearly(collective, at, optimizer, expected):
+    results, elapsed = _run(3, 1, collective, at, optimizer)
     assert results[1][0] == -9, "the victim should have died by SIGKILL"
-    kind = "all-gather" if "gather" in collective else "reduce-scatter"
     for rank in (0, 2):
         code, output = results[rank]
-        assert code != 0, f"rank {rank} finished although a peer died ({phase})"
-        assert f"raggedfsdp: {kind} of fully_shard group" in output, output[-2000:]
+        assert code != 0, f"rank {rank} finished although a peer died ({collective})"
+        assert expected in output, output[-2000:]
     assert elapsed < 20.0 + 60

@@ -11,16 +11,19 @@ from raggedfsdp.comm.collectives import (
     all_to_all_uneven,
     reduce_scatter_flat,
 )
+from raggedfsdp.comm.errors import CollectiveError, failing_as
 from raggedfsdp.comm.handle import CommHandle
 from raggedfsdp.comm.mesh import ShardMesh, group_rank, group_size, resolve_group, resolve_mesh
 
 __all__ = [
+    "CollectiveError",
     "CommHandle",
     "ReduceKind",
     "ShardMesh",
     "all_gather_flat",
     "all_reduce_flat",
     "all_to_all_uneven",
+    "failing_as",
     "group_rank",
     "group_size",
     "reduce_scatter_flat",

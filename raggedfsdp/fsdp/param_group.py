@@ -17,8 +17,8 @@ Nothing is copied into or out of a communication buffer around a collective.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
@@ -31,16 +31,12 @@ from raggedfsdp.comm import (
     all_reduce_flat,
     reduce_scatter_flat,
 )
+from raggedfsdp.comm.errors import failing_as
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.sharding import FlatBuffer, Layout, RaggedTensor, ShardPolicy, TensorSpec
 from raggedfsdp.sharding import plan_layout as _plan_layout
 
-__all__ = ["CollectiveError", "ManagedParam", "ParamGroup"]
-
-
-class CollectiveError(RuntimeError):
-    """A collective of a ``fully_shard`` group failed (a peer died, timed out, or the network
-    broke); the message names the group and the collective, then the backend's error."""
+__all__ = ["ManagedParam", "ParamGroup"]
 
 
 @dataclass
@@ -126,18 +122,12 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.use_sharded_params()
 
-    @contextmanager
-    def _failing_as(self, collective: str) -> Iterator[None]:
-        """Re-raise a backend error with the group and collective it hit: on a job of
-        thousands of ranks "connection closed by peer" alone does not say where to look."""
-        try:
-            yield
-        except RuntimeError as err:
-            raise CollectiveError(
-                f"raggedfsdp: {collective} of fully_shard group {self.name!r} "
-                f"({len(self.params)} tensors, {self.layout.buffer_numel:,} elements) failed on "
-                f"shard rank {self.mesh.shard_rank} of {self.mesh.shard_size}: {err}"
-            ) from err
+    def _failing_as(self, collective: str) -> AbstractContextManager[None]:
+        return failing_as(
+            f"{collective} of fully_shard group {self.name!r} ({len(self.params)} tensors, "
+            f"{self.layout.buffer_numel:,} elements) on shard rank {self.mesh.shard_rank} of "
+            f"{self.mesh.shard_size}"
+        )
 
     # ----------------------------------------------------------------------------- parameters
     def _install(self, which: str) -> None:

@@ -24,7 +24,6 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from raggedfsdp.comm import all_to_all_uneven
 from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.adamw import AdamW, check_adam_args
 from raggedfsdp.optim.base import ShardedOptimizer, StateSpec
@@ -413,20 +412,13 @@ class Muon(ShardedOptimizer):
             mat = plan.matrices[j]
             return inputs[mat.piece][mat.lo : mat.hi]
 
-        handle = None
-        if plan.moved:  # send pieces to owners; compute local matrices meanwhile
-            sends = [mine(j) for j in ex.send_order]
-            send = torch.cat(sends) if sends else inputs[pieces[0]].new_empty(0)
-            recv = send.new_empty(sum(ex.recv_splits))
-            handle = all_to_all_uneven(
-                recv, send, ex.recv_splits, ex.send_splits, plan.group, async_op=True
-            )
+        # send pieces to owners; orthogonalise the local matrices meanwhile
+        finish = ex.start_to_owners(mine, inputs[pieces[0]], plan.group) if plan.moved else None
         for j in ex.local_jobs:
             orthogonalise(j, mine(j))
-        if handle is not None:
-            handle.wait()
-            whole = recv[ex.assemble_index(recv.device)] if recv.numel() else recv
-            for j, flat in zip(ex.owned_jobs, ex._split(whole), strict=True):
+        if finish is not None:
+            whole, owned = finish()
+            for j, flat in zip(ex.owned_jobs, owned, strict=True):
                 orthogonalise(j, flat)
             for j, piece in ex.to_holders(whole, plan.group).items():
                 mine(j).copy_(piece)

@@ -17,11 +17,12 @@ on shapes and shards), so no extra communication decides who does what.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 
-from raggedfsdp.comm import all_to_all_uneven
+from raggedfsdp.comm import all_to_all_uneven, failing_as
 
 __all__ = ["ExchangePlan", "Job", "assign_owners"]
 
@@ -161,12 +162,28 @@ class ExchangePlan:
         """Send this rank's pieces (``pieces_of(job)``, 1-D, ``like``'s dtype and device) to
         their owners; returns the owned jobs' whole flat matrices: one buffer and its views, in
         ``owned_jobs`` order."""
+        return self.start_to_owners(pieces_of, like, group)()
+
+    def start_to_owners(
+        self, pieces_of: Callable[[int], torch.Tensor], like: torch.Tensor, group
+    ) -> Callable[[], tuple[torch.Tensor, list[torch.Tensor]]]:
+        """``to_owners`` in two halves: start the exchange, work on the local jobs, then call
+        the returned function to wait and assemble the owned jobs."""
         sends = [pieces_of(j) for j in self.send_order]
         send = torch.cat(sends) if sends else like.new_empty(0)
         recv = send.new_empty(sum(self.recv_splits))
-        all_to_all_uneven(recv, send, self.recv_splits, self.send_splits, group)
-        whole = recv[self.assemble_index(recv.device)] if recv.numel() else recv
-        return whole, self._split(whole)
+        with self._failing_as("all-to-all of matrix pieces to their owners"):
+            handle = all_to_all_uneven(
+                recv, send, self.recv_splits, self.send_splits, group, async_op=True
+            )
+
+        def finish() -> tuple[torch.Tensor, list[torch.Tensor]]:
+            with self._failing_as("all-to-all of matrix pieces to their owners"):
+                handle.wait()
+            whole = recv[self.assemble_index(recv.device)] if recv.numel() else recv
+            return whole, self._split(whole)
+
+        return finish
 
     def to_holders(self, whole: torch.Tensor, group) -> dict[int, torch.Tensor]:
         """Send the owned jobs' results (``whole``, as returned by ``to_owners`` and updated in
@@ -175,13 +192,20 @@ class ExchangePlan:
         if whole.numel():
             send[self.assemble_index(whole.device)] = whole
         recv = whole.new_empty(sum(self.send_splits))
-        all_to_all_uneven(recv, send, self.send_splits, self.recv_splits, group)
+        with self._failing_as("all-to-all of owner results back to the holders"):
+            all_to_all_uneven(recv, send, self.send_splits, self.recv_splits, group)
         out, cursor = {}, 0
         for j in self.send_order:
             n = self.jobs[j].held_by(self.rank)
             out[j] = recv[cursor : cursor + n]
             cursor += n
         return out
+
+    def _failing_as(self, what: str) -> AbstractContextManager[None]:
+        return failing_as(
+            f"{what} ({len(self.owned_jobs)} jobs owned, {self.elements_sent:,} elements sent) "
+            f"on rank {self.rank} of {self.world}"
+        )
 
     def _split(self, whole: torch.Tensor) -> list[torch.Tensor]:
         out, cursor = [], 0
