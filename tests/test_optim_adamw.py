@@ -14,6 +14,7 @@ from raggedfsdp.optim import AdamW
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.test_optim_helpers import (
     average,
+    continue_in_lockstep,
     counted_params,
     exact_grads,
     init_tensors,
@@ -254,16 +255,7 @@ def _round_trip() -> bool:
         for i in saved["state"]
         for a, b in zip(saved["state"][i].values(), again["state"][i].values(), strict=True)
     )
-    with torch.no_grad():
-        for n in SHAPES:
-            twin[n].copy_(params[n])
-    for step in range(2, 4):
-        grads = exact_grads(SHAPES, step, world)
-        _set_plain_grads(params, grads)
-        _set_plain_grads(twin, grads)
-        opt.step()
-        twin_opt.step()
-    return same and all(torch.equal(params[n], twin[n]) for n in SHAPES)
+    return same and continue_in_lockstep(opt, twin_opt, params, twin, SHAPES, _set_plain_grads)
 
 
 def test_state_dict_round_trip_is_exact(pool):

@@ -102,3 +102,27 @@ def local_piece(p: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torc
 
 def equal_all(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[bool]:
     return [torch.equal(a, b) for a, b in pairs]
+
+
+def continue_in_lockstep(
+    opt: torch.optim.Optimizer,
+    twin_opt: torch.optim.Optimizer,
+    params: dict[str, torch.Tensor],
+    twin: dict[str, torch.Tensor],
+    shapes: dict[str, tuple[int, ...]],
+    set_grads: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None],
+    steps: range = range(2, 4),
+) -> bool:
+    """Give ``twin`` the parameters of ``params`` (its optimizer has loaded ``opt``'s state),
+    step both on the same gradients, and say whether they stay bitwise equal."""
+    world = rank_world()[1]
+    with torch.no_grad():
+        for n in shapes:
+            twin[n].copy_(params[n])
+    for step in steps:
+        grads = exact_grads(shapes, step, world)
+        set_grads(params, grads)
+        set_grads(twin, grads)
+        opt.step()
+        twin_opt.step()
+    return all(torch.equal(params[n], twin[n]) for n in shapes)

@@ -16,6 +16,7 @@ from raggedfsdp.optim.muon import MuonShardPolicy, newton_schulz
 from raggedfsdp.sharding import RaggedShard
 from tests.test_optim_helpers import (
     average,
+    continue_in_lockstep,
     counted_params,
     exact_grads,
     init_tensors,
@@ -325,16 +326,7 @@ def _round_trip() -> bool:
         opt.step()
     saved = opt.state_dict()
     twin_opt.load_state_dict(saved)
-    with torch.no_grad():
-        for n in SHAPES:
-            twin[n].copy_(params[n])
-    for step in range(2, 4):
-        grads = exact_grads(SHAPES, step, world)
-        _set_plain(params, grads)
-        _set_plain(twin, grads)
-        opt.step()
-        twin_opt.step()
-    return all(torch.equal(params[n], twin[n]) for n in SHAPES)
+    return continue_in_lockstep(opt, twin_opt, params, twin, SHAPES, _set_plain)
 
 
 def test_state_dict_round_trip_is_exact(pool):
