@@ -30,12 +30,27 @@ def _die_at(module, name: str, at: int) -> None:
     setattr(module, name, wrapper)
 
 
+def save_checkpoint(model, opt, path: str) -> None:
+    """Model and optimizer, written to a temporary name and renamed once complete, so a crash
+    mid-save never leaves a directory that looks valid."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path + ".tmp")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        os.rename(path + ".tmp", path)
+    dist.barrier()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     for flag in ("--rank", "--world", "--port", "--kill-rank", "--at"):
         parser.add_argument(flag, type=int, required=True)
     parser.add_argument("--collective", required=True)
     parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
+    parser.add_argument("--checkpoint", default="", help="save model + optimizer after step 1")
     parser.add_argument("--timeout", type=float, default=20.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -69,6 +84,8 @@ def main() -> None:
         loss_fn(model, *batch(step, 2)).backward()
         opt.step()
         opt.zero_grad()
+        if step == 0 and args.checkpoint:
+            save_checkpoint(model, opt, args.checkpoint)
     print("finished without error", flush=True)
 
 

@@ -22,7 +22,13 @@ def _free_port() -> int:
 
 
 def _run(
-    world: int, kill_rank: int, collective: str, at: int, optimizer: str, timeout: float = 20.0
+    world: int,
+    kill_rank: int,
+    collective: str,
+    at: int,
+    optimizer: str,
+    checkpoint: str = "",
+    timeout: float = 20.0,
 ):
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -32,7 +38,7 @@ def _run(
                 *(sys.executable, "-m", "tests.fault_worker", "--rank", str(r)),
                 *("--world", str(world), "--port", str(port), "--kill-rank", str(kill_rank)),
                 *("--collective", collective, "--at", str(at), "--timeout", str(timeout)),
-                *("--optimizer", optimizer),
+                *("--optimizer", optimizer, "--checkpoint", checkpoint),
             ],
             cwd=ROOT,
             env=env,
@@ -59,18 +65,54 @@ def _run(
 @pytest.mark.parametrize(
     ("collective", "at", "optimizer", "expected"),
     [
-        # the 3rd gather is a block's, in forward
-        ("all_gather_flat", 3, "adamw", "raggedfsdp: all-gather of fully_shard group"),
-        ("reduce_scatter_flat", 2, "adamw", "raggedfsdp: reduce-scatter of fully_shard group"),
-        ("all_to_all_uneven", 1, "muon", "raggedfsdp: all-to-all of matrix pieces to their owners"),
+        # kills fall in step 2, after the checkpoint of step 1 (4 groups: 4 gathers forward, 3
+        # re-gathers backward and 4 reductions per step; Muon: 2 all-to-alls per step)
+        ("all_gather_flat", 12, "adamw", "raggedfsdp: all-gather of fully_shard group"),
+        ("reduce_scatter_flat", 6, "adamw", "raggedfsdp: reduce-scatter of fully_shard group"),
+        ("all_to_all_uneven", 3, "muon", "raggedfsdp: all-to-all of matrix pieces to their owners"),
     ],
     ids=["forward-all-gather", "backward-reduce-scatter", "muon-all-to-all"],
 )
-def test_a_killed_rank_fails_the_others_fast_and_clearly(collective, at, optimizer, expected):
-    results, elapsed = _run(3, 1, collective, at, optimizer)
+def test_a_killed_rank_fails_the_others_fast_and_clearly(
+    collective, at, optimizer, expected, dist_pool, tmp_path
+):
+    checkpoint = str(tmp_path / "step1")
+    results, elapsed = _run(3, 1, collective, at, optimizer, checkpoint)
     assert results[1][0] == -9, "the victim should have died by SIGKILL"
     for rank in (0, 2):
         code, output = results[rank]
         assert code != 0, f"rank {rank} finished although a peer died ({collective})"
         assert expected in output, output[-2000:]
     assert elapsed < 20.0 + 60
+    if Path(checkpoint).exists():  # the last completed checkpoint loads and training resumes
+        assert all(dist_pool(2).run(_resume, checkpoint, optimizer))
+
+
+def _resume(path: str, optimizer: str) -> bool:
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from raggedfsdp import fully_shard
+    from raggedfsdp.checkpoint import load
+    from raggedfsdp.optim import Muon, split_muon_params
+    from tests.tiny_models import batch, loss_fn, make_model
+
+    model = make_model(seed=5)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    if optimizer == "muon":
+        opt = Muon(split_muon_params(model), lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_fn(model, *batch(0, 2)).backward()  # create optimizer state to load into
+    opt.step()
+    opt.zero_grad()
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    load(state, path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loss = loss_fn(model, *batch(1, 2))
+    loss.backward()
+    opt.step()
+    return bool(torch.isfinite(loss))
