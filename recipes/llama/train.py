@@ -215,9 +215,10 @@ def train(
             }
             if peak:
                 metrics["mfu"] = flops_token * tokens_per_s / (peak * env.world_size)
-            comm_stats = getattr(optimizer, "comm_stats", None)
-            if callable(comm_stats):
-                metrics.update({f"optim/{k}": v for k, v in comm_stats().items()})
+            stats = getattr(optimizer, "last_step_stats", None) or {}  # Muon, Shampoo
+            metrics.update(
+                {f"optim/{k}": v for k, v in stats.items() if isinstance(v, int | float)}
+            )
             last = state.step == cfg.steps
             if cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
                 metrics["val_loss"] = evaluate(model, val_batches, cfg, env, accum)
