@@ -53,32 +53,12 @@ def _workers(parent: int) -> list[int]:
 def run_once(run_dir: Path, steps: int, nproc: int) -> tuple[list[float], list[list[float]]]:
     """One training run; returns (losses per step, RSS samples per rank in MiB)."""
     shutil.rmtree(run_dir, ignore_errors=True)
+    launch = f"--nnodes 1 --nproc-per-node {nproc} --rdzv-backend c10d --local-addr 127.0.0.1"
+    train = f"--steps {steps} --wandb-mode disabled --checkpoint-every 0 --resume never"
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{_free_port()}",
-        "--local-addr",
-        "127.0.0.1",
-        "-m",
-        "recipes.llama.train",
-        "--run-dir",
-        str(run_dir),
-        "--steps",
-        str(steps),
-        "--wandb-mode",
-        "disabled",
-        "--checkpoint-every",
-        "0",
-        "--resume",
-        "never",
+        *(sys.executable, "-m", "torch.distributed.run", *launch.split()),
+        *("--rdzv-endpoint", f"127.0.0.1:{_free_port()}"),
+        *("-m", "recipes.llama.train", *train.split(), "--run-dir", str(run_dir)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
