@@ -17,10 +17,13 @@ from tests.test_optim_helpers import (
     continue_in_lockstep,
     counted_params,
     exact_grads,
+    full_values,
     init_tensors,
     local_piece,
+    mode_params,
     ragged_params,
     rank_world,
+    set_mode_grads,
     set_ragged_grads,
 )
 
@@ -262,53 +265,32 @@ def test_state_dict_round_trip_is_exact(pool):
     assert all(pool.run(_round_trip))
 
 
-def _dcp_save(path: str, mode: str) -> dict[str, torch.Tensor]:
-    """Train 3 steps, save, train 2 more; returns the final full parameters."""
-    rank, world = rank_world()
-    init = init_tensors(SHAPES)
-    if mode == "fsdp":
-        params, gbuf = ragged_params(init, AdamW.shard_policy(), world, rank)
-    else:
-        params = {n: torch.nn.Parameter(t) for n, t in init.items()}
+def _dcp_run(path: str, mode: str, save: bool) -> dict[str, torch.Tensor]:
+    """Train 5 steps saving after 3 (``save``), or load that checkpoint into a model of another
+    init and train steps 3-4; returns the final full parameters."""
+    world = rank_world()[1]
+    params, gbuf = mode_params(
+        init_tensors(SHAPES, seed=0 if save else 5), AdamW.shard_policy(), mode
+    )
     opt = AdamW(_groups(params), amsgrad=True)
-    for step in range(5):
-        if step == 3:
+    if not save:
+        state = {"model": dict(params), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        opt.load_state_dict(state["optim"])
+    for step in range(0 if save else 3, 5):
+        if save and step == 3:
             dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
         grads = exact_grads(SHAPES, step, world, same=True)
-        if mode == "fsdp":
-            set_ragged_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
-        else:
-            _set_plain_grads(params, grads)
+        set_mode_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
         opt.step()
-    return {n: p.full_tensor() if mode == "fsdp" else p.detach().clone() for n, p in params.items()}
-
-
-def _dcp_resume(path: str, mode: str) -> dict[str, torch.Tensor]:
-    rank, world = rank_world()
-    init = init_tensors(SHAPES, seed=5)  # overwritten by the checkpoint
-    if mode == "fsdp":
-        params, gbuf = ragged_params(init, AdamW.shard_policy(), world, rank)
-    else:
-        params = {n: torch.nn.Parameter(t) for n, t in init.items()}
-    opt = AdamW(_groups(params), amsgrad=True)
-    state = {"model": dict(params), "optim": opt.state_dict()}
-    dcp.load(state, checkpoint_id=path)
-    opt.load_state_dict(state["optim"])
-    for step in range(3, 5):
-        grads = exact_grads(SHAPES, step, world, same=True)
-        if mode == "fsdp":
-            set_ragged_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
-        else:
-            _set_plain_grads(params, grads)
-        opt.step()
-    return {n: p.full_tensor() if mode == "fsdp" else p.detach().clone() for n, p in params.items()}
+    return full_values(params)
 
 
 @pytest.mark.parametrize("mode", ["drop-in", "fsdp"])
 def test_dcp_save_at_4_ranks_resumes_bitwise_at_3(dist_pool, tmp_path, mode):
     path = str(tmp_path / "ckpt")
-    expected = dist_pool(4).run(_dcp_save, path, mode)[0]
-    for rank, resumed in enumerate(dist_pool(3).run(_dcp_resume, path, mode)):
+    expected = dist_pool(4).run(_dcp_run, path, mode, True)[0]
+    for rank, resumed in enumerate(dist_pool(3).run(_dcp_run, path, mode, False)):
         for n in SHAPES:
             assert torch.equal(resumed[n], expected[n]), (rank, n)
 

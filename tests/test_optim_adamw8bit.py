@@ -20,10 +20,11 @@ from raggedfsdp.optim.quant import (
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.test_optim_helpers import (
     exact_grads,
+    full_values,
     init_tensors,
-    ragged_params,
+    mode_params,
     rank_world,
-    set_ragged_grads,
+    set_mode_grads,
 )
 
 
@@ -145,25 +146,15 @@ def test_single_process_equals_torchao_bitwise(eager_torchao, config):
 # ----------------------------------------------------------------------------- W invariance
 def _train(mode: str, tile: tuple[int, int] | None, steps: int = 3) -> dict[str, torch.Tensor]:
     """Full parameters and states after ``steps`` steps; identical gradients on every rank."""
-    rank, world = rank_world()
-    init = init_tensors(SHAPES)
-    policy = AdamW8bit.shard_policy(tile=tile)
-    if mode == "fsdp":
-        params, gbuf = ragged_params(init, policy, world, rank)
-    else:
-        params = {n: torch.nn.Parameter(t) for n, t in init.items()}
+    world = rank_world()[1]
+    params, gbuf = mode_params(init_tensors(SHAPES), AdamW8bit.shard_policy(tile=tile), mode)
     opt = AdamW8bit([(n, p) for n, p in params.items()], lr=0.01, amsgrad=True, tile=tile)
     for step in range(steps):
         grads = {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
-        if mode == "fsdp":
-            set_ragged_grads(params, grads, gbuf)
-        else:
-            for n, p in params.items():
-                p.grad = grads[n].clone()
+        set_mode_grads(params, grads, gbuf)
         opt.step()
-    out = {}
-    for i, (n, p) in enumerate(params.items()):
-        out[n] = p.full_tensor() if isinstance(p, RaggedTensor) else p.detach().clone()
+    out = full_values(params)
+    for i, n in enumerate(params):
         for key, value in opt.state_dict()["state"][i].items():
             full = value.full_tensor() if isinstance(value, RaggedTensor) else value
             out[f"{n}.{key}"] = full.clone()
@@ -277,12 +268,9 @@ def test_state_is_about_2_bytes_per_element_over_w(pool, tile):
 # ----------------------------------------------------------------------------- checkpoints
 def _dcp(path: str, mode: str, tile, save: bool) -> dict[str, torch.Tensor]:
     """Save after 2 steps then run 2 more (save=True), or load and run the last 2."""
-    rank, world = rank_world()
+    world = rank_world()[1]
     init = init_tensors(SHAPES, seed=0 if save else 3)
-    if mode == "fsdp":
-        params, gbuf = ragged_params(init, AdamW8bit.shard_policy(tile=tile), world, rank)
-    else:
-        params = {n: torch.nn.Parameter(t) for n, t in init.items()}
+    params, gbuf = mode_params(init, AdamW8bit.shard_policy(tile=tile), mode)
     opt = AdamW8bit([(n, p) for n, p in params.items()], lr=0.01, tile=tile)
     first = 0 if save else 2
     if not save:
@@ -293,13 +281,9 @@ def _dcp(path: str, mode: str, tile, save: bool) -> dict[str, torch.Tensor]:
         if save and step == 2:
             dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
         grads = {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
-        if mode == "fsdp":
-            set_ragged_grads(params, grads, gbuf)
-        else:
-            for n, p in params.items():
-                p.grad = grads[n].clone()
+        set_mode_grads(params, grads, gbuf)
         opt.step()
-    return {n: p.full_tensor() if mode == "fsdp" else p.detach().clone() for n, p in params.items()}
+    return full_values(params)
 
 
 @pytest.mark.parametrize(("mode", "tile"), [("fsdp", TILE), ("drop-in", None)])

@@ -126,3 +126,32 @@ def continue_in_lockstep(
         opt.step()
         twin_opt.step()
     return all(torch.equal(params[n], twin[n]) for n in shapes)
+
+
+def mode_params(
+    init: dict[str, torch.Tensor], unit: Callable[[str, torch.Tensor], int], mode: str
+) -> tuple[dict[str, torch.nn.Parameter], FlatBuffer | None]:
+    """Parameters for ``mode``: RaggedTensors on a planned layout ("fsdp"), else plain ones
+    (single process or drop-in); with the fsdp gradient buffer."""
+    if mode == "fsdp":
+        rank, world = rank_world()
+        return ragged_params(init, unit, world, rank)
+    return {n: torch.nn.Parameter(t) for n, t in init.items()}, None
+
+
+def set_mode_grads(
+    params: dict[str, torch.nn.Parameter], grads: dict[str, torch.Tensor], gbuf: FlatBuffer | None
+) -> None:
+    """The same full gradient on every rank: RaggedTensor pieces in fsdp mode, else a copy."""
+    if gbuf is not None:
+        set_ragged_grads(params, grads, gbuf)
+    else:
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+
+
+def full_values(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    return {
+        n: p.full_tensor() if isinstance(p, RaggedTensor) else p.detach().clone()
+        for n, p in params.items()
+    }
