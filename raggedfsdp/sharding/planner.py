@@ -331,25 +331,30 @@ class _Packer:
 
     def pack_min_waste(self, seg: int, *, world: int) -> list[int] | None:
         """Dynamic order: always place next the tensor that wastes the least padding at the cursor
-        (the largest on ties). O(T²) per S, so it runs for small groups only."""
+        (the largest on ties). Tensors of the same size and unit are interchangeable, so only
+        one per kind is tried: O(T x kinds) per S, cheap even for MoE layers of hundreds of
+        identical experts."""
         limit = world * seg
         offsets = [0] * len(self.sizes)
-        left = sorted(range(len(self.sizes)), key=lambda i: -self.sizes[i][0])
+        kinds: dict[tuple[int, int, int], list[int]] = {}
+        for i in sorted(range(len(self.sizes)), key=lambda i: -self.sizes[i][0]):
+            kinds.setdefault(self.sizes[i], []).append(i)
         cursor = 0
-        while left:
-            best, best_start = -1, limit + 1
-            for i in left:
-                numel, unit, step = self.sizes[i]
-                start = _earliest_start(cursor, numel, unit, step, seg, self.align)
+        while kinds:
+            best, best_start = None, limit + 1
+            for kind in kinds:  # largest kinds first: they win ties
+                start = _earliest_start(cursor, kind[0], kind[1], kind[2], seg, self.align)
                 if 0 <= start < best_start:
-                    best, best_start = i, start
+                    best, best_start = kind, start
                     if start == cursor:
                         break
-            if best < 0 or best_start + self.sizes[best][0] > limit:
+            if best is None or best_start + best[0] > limit:
                 return None
-            offsets[best] = best_start
-            cursor = best_start + self.sizes[best][0]
-            left.remove(best)
+            members = kinds[best]
+            offsets[members.pop(0)] = best_start
+            if not members:
+                del kinds[best]
+            cursor = best_start + best[0]
         return offsets
 
     def _fill_gap(self, gaps: list[tuple[int, int]], i: int, seg: int, offsets: list[int]) -> bool:
@@ -471,8 +476,8 @@ def _search(sizes, align: int, pack: Callable[[int], list[int] | None], lo: int,
 
 
 def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[int] | None]]:
-    """The packing strategies tried: three fixed orders for every group and, for small groups
-    where they cost little, the least-waste order and more orders: all of them for up to five
+    """The packing strategies tried: three fixed orders and the least-waste order for every
+    group and, for small groups where they cost little, more orders: all of them for up to five
     tensors, else seeded random ones (a fixed seed, so every rank computes the same plan)."""
     sizes = packer.sizes
     orders = {
@@ -481,8 +486,8 @@ def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[i
         "by size": sorted(range(len(sizes)), key=lambda i: -sizes[i][0]),
     }
     found = {name: partial(packer.pack, order, world=world) for name, order in orders.items()}
+    found["least waste"] = partial(packer.pack_min_waste, world=world)
     if len(sizes) <= _SMALL_GROUP:
-        found["least waste"] = partial(packer.pack_min_waste, world=world)
         n = len(sizes)
         if math.factorial(n) <= _EXTRA_ORDERS:
             extra = itertools.permutations(range(n))
@@ -494,7 +499,7 @@ def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[i
     return found
 
 
-#: Groups up to this many tensors also get the O(T²) least-waste order and random orders.
+#: Groups up to this many tensors also get extra (all, or seeded random) orders.
 _SMALL_GROUP = 64
 _EXTRA_ORDERS = 120  # all orders of up to five tensors, else this many sampled
 #: Packings spent re-checking smaller S after the searches (feasibility is not monotone in S).
