@@ -25,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
-from raggedfsdp.fsdp.state import FSDPState, backward_in_progress
+from raggedfsdp.fsdp.state import FSDPState, backward_in_progress, in_backward
 from raggedfsdp.sharding import RaggedTensor, ShardPolicy, element_units
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -177,8 +177,7 @@ def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:
 
 def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     sharded = any(isinstance(p, RaggedTensor) for g in optimizer.param_groups for p in g["params"])
-    inside_backward = torch._C._current_graph_task_id() != -1
-    if sharded and (backward_in_progress() or inside_backward):
+    if sharded and (backward_in_progress() or in_backward()):
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() was called before backward finished reducing "
             "gradients; call it after loss.backward() returns"

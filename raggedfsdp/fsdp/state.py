@@ -34,12 +34,13 @@ from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
 
-__all__ = ["FSDPState", "RootContext", "backward_in_progress"]
+__all__ = ["FSDPState", "RootContext", "backward_in_progress", "in_backward"]
 
 _LIVE_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
+    """Whether the caller runs inside an autograd backward pass (a hook or a recomputation)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -174,12 +175,12 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._lazy_init()
         ctx = self.ctx
-        if not _in_backward() and not ctx.order_recorded and self not in ctx.forward_order:
+        if not in_backward() and not ctx.order_recorded and self not in ctx.forward_order:
             ctx.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
             self.group.use_unsharded_params()
-        if not _in_backward():
+        if not in_backward():
             nxt = ctx.next_after(self, +1)
             if nxt is not None and nxt.group is not None:
                 nxt.group.unshard(async_op=True)
@@ -189,7 +190,7 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if _in_backward():  # recomputation for activation checkpointing: backward needs them
+        if in_backward():  # recomputation for activation checkpointing: backward needs them
             return output
         ctx = self.ctx
         if self.is_root:
