@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from raggedfsdp.optim import AdamW
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
@@ -17,14 +16,13 @@ from tests.test_optim_helpers import (
     continue_in_lockstep,
     counted_params,
     exact_grads,
-    full_values,
     init_tensors,
     local_piece,
     mode_params,
     ragged_params,
     rank_world,
-    set_mode_grads,
     set_ragged_grads,
+    train_checkpointed,
 )
 
 # Awkward on purpose: sizes that leave padding and empty pieces at W=3 and 4, a scalar-ish tensor
@@ -268,22 +266,10 @@ def test_state_dict_round_trip_is_exact(pool):
 def _dcp_run(path: str, mode: str, save: bool) -> dict[str, torch.Tensor]:
     """Train 5 steps saving after 3 (``save``), or load that checkpoint into a model of another
     init and train steps 3-4; returns the final full parameters."""
-    world = rank_world()[1]
-    params, gbuf = mode_params(
-        init_tensors(SHAPES, seed=0 if save else 5), AdamW.shard_policy(), mode
-    )
+    init = init_tensors(SHAPES, seed=0 if save else 5)  # the resumed run's is overwritten
+    params, gbuf = mode_params(init, AdamW.shard_policy(), mode)
     opt = AdamW(_groups(params), amsgrad=True)
-    if not save:
-        state = {"model": dict(params), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        opt.load_state_dict(state["optim"])
-    for step in range(0 if save else 3, 5):
-        if save and step == 3:
-            dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
-        grads = exact_grads(SHAPES, step, world, same=True)
-        set_mode_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
-        opt.step()
-    return full_values(params)
+    return train_checkpointed(opt, params, gbuf, SHAPES, path, save)
 
 
 @pytest.mark.parametrize("mode", ["drop-in", "fsdp"])

@@ -155,3 +155,32 @@ def full_values(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor
         n: p.full_tensor() if isinstance(p, RaggedTensor) else p.detach().clone()
         for n, p in params.items()
     }
+
+
+def train_checkpointed(
+    opt: torch.optim.Optimizer,
+    params: dict[str, torch.nn.Parameter],
+    gbuf: FlatBuffer | None,
+    shapes: dict[str, tuple[int, ...]],
+    path: str,
+    save: bool,
+    steps: int = 5,
+    at: int = 3,
+) -> dict[str, torch.Tensor]:
+    """``save``: train ``steps`` steps with DCP-saving model and optimizer before step ``at``;
+    else load that checkpoint and train steps ``at``.. on the same gradients. Returns the final
+    full parameters, so a resume at another world size can be compared bitwise."""
+    import torch.distributed.checkpoint as dcp
+
+    world = rank_world()[1]
+    if not save:
+        state = {"model": dict(params), "optim": opt.state_dict()}
+        dcp.load(state, checkpoint_id=path)
+        opt.load_state_dict(state["optim"])
+    for step in range(0 if save else at, steps):
+        if save and step == at:
+            dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
+        grads = exact_grads(shapes, step, world, same=True)
+        set_mode_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
+        opt.step()
+    return full_values(params)

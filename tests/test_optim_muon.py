@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from raggedfsdp.optim import Muon, split_muon_params
 from raggedfsdp.optim.muon import MuonShardPolicy, newton_schulz
@@ -24,6 +23,7 @@ from tests.test_optim_helpers import (
     ragged_params,
     rank_world,
     set_ragged_grads,
+    train_checkpointed,
 )
 
 # Matrices tall, wide and square, a stacked expert tensor, and aux (AdamW) tensors.
@@ -339,17 +339,7 @@ def _dcp(path: str, save: bool) -> dict[str, torch.Tensor]:
     init = init_tensors(SHAPES, seed=0 if save else 5)
     params, gbuf = ragged_params(init, Muon.shard_policy(whole_matrices=False), world, rank)
     opt = Muon(_groups(params), **HYPER)
-    if not save:
-        state = {"model": dict(params), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        opt.load_state_dict(state["optim"])
-    for step in range(0 if save else 3, 5):
-        if save and step == 3:
-            dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
-        grads = exact_grads(SHAPES, step, world, same=True)
-        set_ragged_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
-        opt.step()
-    return {n: p.full_tensor() for n, p in params.items()}
+    return train_checkpointed(opt, params, gbuf, SHAPES, path, save)
 
 
 def test_dcp_save_at_4_ranks_resumes_bitwise_at_3(dist_pool, tmp_path):

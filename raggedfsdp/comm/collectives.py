@@ -70,6 +70,24 @@ def _copy_unless_same(dst: Tensor, src: Tensor) -> None:
         dst.copy_(src)
 
 
+def _check_segments(
+    full_name: str, full: Tensor, part_name: str, part: Tensor, group: ProcessGroup | None
+) -> tuple[int, int]:
+    """Validate a flat buffer of W equal segments against one rank's segment; returns
+    ``(world, rank)``. Errors name the argument."""
+    check_contiguous(part_name, part)
+    check_contiguous(full_name, full)
+    check_pair(full_name, full, part_name, part)
+    world, rank = group_size(group), group_rank(group)
+    if full.numel() != world * part.numel():
+        raise ValueError(
+            f"{full_name}: has {full.numel()} elements, expected world size {world} x "
+            f"{part_name} {part.numel()} = {world * part.numel()}"
+        )
+    check_segment_alias(full_name, full, part_name, part, rank)
+    return world, rank
+
+
 def _as_bits(tensor: Tensor) -> Tensor:
     """The same bytes as the widest integer dtype that tiles them, for bitwise reductions
     (gloo reduces int64, int32, int8 and uint8, not int16)."""
@@ -95,16 +113,7 @@ def all_gather_flat(
     with no copy at all, which is how the flat parameter buffers are used. On gloo the other
     segments are zeroed and OR-reduced (see the module notes).
     """
-    check_contiguous("full", full)
-    check_contiguous("shard", shard)
-    check_pair("full", full, "shard", shard)
-    world, rank = group_size(group), group_rank(group)
-    if full.numel() != world * shard.numel():
-        raise ValueError(
-            f"full: has {full.numel()} elements, expected world size {world} x shard "
-            f"{shard.numel()} = {world * shard.numel()}"
-        )
-    check_segment_alias("full", full, "shard", shard, rank)
+    world, rank = _check_segments("full", full, "shard", shard, group)
     if world == 1:
         _copy_unless_same(full, shard)
         return CommHandle()
@@ -149,17 +158,8 @@ def reduce_scatter_flat(
     all-reduce in place and copies only this rank's segment out (nothing, if ``shard_out`` is
     it). NCCL keeps its true reduce-scatter (half the traffic of an all-reduce).
     """
-    check_contiguous("shard_out", shard_out)
-    check_contiguous("full_in", full_in)
-    check_pair("full_in", full_in, "shard_out", shard_out)
     reduce_op = _reduce_op(op, full_in)
-    world, rank = group_size(group), group_rank(group)
-    if full_in.numel() != world * shard_out.numel():
-        raise ValueError(
-            f"full_in: has {full_in.numel()} elements, expected world size {world} x shard_out "
-            f"{shard_out.numel()} = {world * shard_out.numel()}"
-        )
-    check_segment_alias("full_in", full_in, "shard_out", shard_out, rank)
+    world, rank = _check_segments("full_in", full_in, "shard_out", shard_out, group)
     if world == 1:
         _copy_unless_same(shard_out, full_in)
         return CommHandle()
