@@ -161,3 +161,12 @@ def _persistent_in_place(rows: int) -> bool:
 
 def test_persistent_in_place_all_gather(pool):
     assert all(pool.run(_persistent_in_place, 2))
+
+
+def test_loading_parameters_that_require_grad_records_no_autograd_history():
+    linear = torch.nn.Linear(4, 3)
+    layout = plan_layout([TensorSpec(n, tuple(p.shape)) for n, p in linear.named_parameters()], 1)
+    buf = FlatBuffer(layout, rank=0, dtype=torch.float32)
+    buf.load_full_tensors(dict(linear.named_parameters()))
+    assert not buf.shard.requires_grad and buf.shard.grad_fn is None
+    assert torch.equal(buf.shard_view("weight"), linear.weight.detach().reshape(-1))

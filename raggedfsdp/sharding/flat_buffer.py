@@ -121,9 +121,11 @@ class FlatBuffer:
         self.full.untyped_storage().resize_(0)
 
     # ----------------------------------------------------------------------------- data movement
+    @torch.no_grad()
     def load_full_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy this rank's pieces of full tensors (e.g. freshly initialised, identical on every
-        rank) into the local segment. No communication."""
+        rank) into the local segment. No communication; parameters that require grad are fine
+        (the copy is not recorded by autograd)."""
         missing = set(self.layout.by_name) - set(tensors)
         if missing:
             raise KeyError(f"load_full_tensors: no tensor given for {sorted(missing)}")
