@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from raggedfsdp.optim import Shampoo
+from raggedfsdp.optim import AdamW, Shampoo
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.test_optim_helpers import (
     counted_params,
@@ -446,3 +446,27 @@ def test_non_finite_gradients_never_reach_the_roots():
     opt.step()
     assert opt.last_step_stats["root_failures"] == 2
     assert torch.equal(opt.state[p]["inv_root_L"], roots)
+
+
+def _ill_conditioned_regression(steps: int, make_optimizer) -> float:
+    """Least squares with inputs of condition number 100: where Shampoo's preconditioning pays."""
+    g = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    inputs = torch.randn(512, 64, generator=g) @ (basis * torch.logspace(0, -2, 64)) @ basis.T
+    targets = inputs @ torch.randn(64, 32, generator=g) + 0.01 * torch.randn(512, 32, generator=g)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(64, 32, bias=False)
+    opt = make_optimizer(model.parameters())
+    for _ in range(steps):
+        ((model(inputs) - targets) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return ((model(inputs) - targets) ** 2).mean().item()
+
+
+def test_shampoo_reaches_a_lower_loss_than_adamw_at_equal_steps():
+    """Shampoo with its documented defaults (lr 1e-2) against AdamW at the same lr and no weight
+    decay, 100 steps: measured 0.359 vs 0.508 (and 0.015 vs 0.087 at lr 3e-2)."""
+    shampoo = _ill_conditioned_regression(100, lambda p: Shampoo(p))
+    adamw = _ill_conditioned_regression(100, lambda p: AdamW(p, lr=1e-2, weight_decay=0.0))
+    assert shampoo < 0.8 * adamw, (shampoo, adamw)
