@@ -16,9 +16,12 @@ from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.test_optim_helpers import (
     counted_params,
     exact_grads,
+    full_values,
     init_tensors,
+    mode_params,
     ragged_params,
     rank_world,
+    set_mode_grads,
     set_ragged_grads,
 )
 
@@ -329,12 +332,9 @@ def test_state_dict_round_trip_single_process():
 
 def _dcp(path: str, mode: str, save: bool) -> dict[str, torch.Tensor]:
     """Save after 2 steps then run 2 more (save=True), or load and run the last 2."""
-    rank, world = rank_world()
+    world = rank_world()[1]
     init = init_tensors(SHAPES, seed=0 if save else 3)
-    if mode == "fsdp":
-        params, gbuf = ragged_params(init, Shampoo.shard_policy(B), world, rank)
-    else:
-        params, gbuf = {n: torch.nn.Parameter(t) for n, t in init.items()}, None
+    params, gbuf = mode_params(init, Shampoo.shard_policy(B), mode)
     opt = Shampoo(list(params.items()), **BASE, momentum=0.5)
     if not save:
         state = {"model": dict(params), "optim": opt.state_dict()}
@@ -344,13 +344,9 @@ def _dcp(path: str, mode: str, save: bool) -> dict[str, torch.Tensor]:
     for step in range(0 if save else 2, 4):
         if save and step == 2:
             dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
-        if mode == "fsdp":
-            set_ragged_grads(params, grads[step], gbuf)
-        else:
-            for n, p in params.items():
-                p.grad = grads[step][n].clone()
+        set_mode_grads(params, grads[step], gbuf)
         opt.step()
-    return {n: p.full_tensor() if mode == "fsdp" else p.detach().clone() for n, p in params.items()}
+    return full_values(params)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "drop-in"])
