@@ -12,7 +12,11 @@ medians (ours / FSDP2, lower is better):
   (REFERENCE §6: MALLOC_* variables set before the ranks start, VmHWM reset per step).
 
     python benchmarks/fsdp_vs_fsdp2.py [--world-size 2] [--dim 512] [--layers 4] [--steps 8]
-        [--activation-checkpointing]
+        [--activation-checkpointing] [--mixed-precision] [--wrap {blocks,torchtitan}]
+
+``--mixed-precision`` is the standard LLM setting (the veScale-FSDP paper's evaluation and
+torchtitan's default): fp32 sharded master weights, bf16 all-gather and compute, fp32 gradient
+reduction, the same ``MixedPrecisionPolicy`` for both.
 """
 
 from __future__ import annotations
@@ -93,9 +97,10 @@ def _status_kib(field: str) -> int:
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from raggedfsdp import fully_shard
+    from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
     torch.set_num_threads(max(1, os.cpu_count() // world))
     dist.init_process_group(
@@ -103,14 +108,25 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
     )
     mesh = init_device_mesh("cpu", (world,))
     models = {}
-    for name, wrap in (("ours", fully_shard), ("fsdp2", fsdp2_fully_shard)):
+    peers = (
+        ("ours", fully_shard, MixedPrecisionPolicy),
+        ("fsdp2", fsdp2_fully_shard, FSDP2MixedPrecision),
+    )
+    for name, wrap, policy in peers:
+        kwargs = {"mesh": mesh}
+        if args.mixed_precision:
+            kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         torch.manual_seed(0)
         model = Model(args.vocab, args.dim, args.layers)
         if args.activation_checkpointing:  # torchtitan style: shard the checkpoint wrapper
             model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
+        if args.wrap == "torchtitan":  # the embedding alone; norm + output kept for backward
+            wrap(model.embed, **kwargs)
         for layer in model.layers:
-            wrap(layer, mesh=mesh)
-        wrap(model, mesh=mesh)
+            wrap(layer, **kwargs)
+        if args.wrap == "torchtitan":
+            wrap([model.norm, model.head], **kwargs, reshard_after_forward=False)
+        wrap(model, **kwargs)
         models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
@@ -170,6 +186,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--gather-repeats", type=int, default=5)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    parser.add_argument(
+        "--wrap",
+        choices=("blocks", "torchtitan"),
+        default="blocks",
+        help="blocks: each block, then the root; torchtitan: its apply_fsdp (embedding, blocks, "
+        "[norm, output] kept unsharded after forward, root)",
+    )
     args = parser.parse_args()
     os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts
     with socket.socket() as s:
@@ -204,6 +228,8 @@ def main() -> None:
         )
     )
     ac = ", activation checkpointing" if args.activation_checkpointing else ""
+    ac += ", bf16 compute / fp32 reduce" if args.mixed_precision else ", fp32"
+    ac += f", {args.wrap} wrapping"
     print(
         f"\nW={args.world_size}, {params / 1e6:.1f}M parameters{ac}, medians of {args.steps} rounds"
     )

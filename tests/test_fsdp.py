@@ -205,6 +205,9 @@ def _zero_copy() -> dict:
         for p in layer.parameters()
     )
     layer.reshard()
+    layer.unshard(async_op=True)  # a prefetch nobody uses: reshard must free its buffer too
+    layer.reshard()
+    prefetch_freed = not group.compute.is_full_allocated
     loss.backward()
     # all sharded grads of the group are views of one S-element segment: the reduce output
     storages = {p.grad.local.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -217,6 +220,7 @@ def _zero_copy() -> dict:
         "unsharded_params_view_gathered_buffer": unsharded_views,
         "sharded_grads_view_reduce_output": grad_views,
         "unsharded_freed_after_forward": freed_after_forward,
+        "unused_prefetch_freed_by_reshard": prefetch_freed,
         "freed_after_backward": not group.compute.is_full_allocated
         and not group.grads.is_full_allocated,
     }
@@ -396,3 +400,75 @@ def test_ranks_with_different_models_fail_before_the_first_collective(pool, kind
     for message in pool.run(_mismatched, kind):
         assert "differs across ranks" in message, message
         assert "layers.0" in message or "root" in message
+
+
+# ----------------------------------------------------------------------------- torchtitan style
+def _torchtitan_wrap(model: nn.Module, wrap) -> dict:
+    """torchtitan's apply_fsdp: the embedding alone, each block, the final norm and the output
+    projection as one group kept unsharded after forward (backward needs them first), the root."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    wrap(model.embed, mesh=mesh)
+    for layer in model.layers:
+        wrap(layer, mesh=mesh)
+    wrap([model.norm, model.head], mesh=mesh, reshard_after_forward=False)
+    wrap(model, mesh=mesh)
+    return model
+
+
+def _torchtitan_parity(steps: int) -> dict:
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    ours = _torchtitan_wrap(make_model(), fully_shard)
+    peer = _torchtitan_wrap(make_model(), fsdp2_fully_shard)
+    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
+    peer_opt = torch.optim.AdamW(peer.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss_fn(peer, *(_my_rows(t) for t in batch(step % 2, ROWS))).backward()
+        torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
+        peer_opt.step()
+        peer_opt.zero_grad()
+    group = ours.norm._raggedfsdp_state.group
+    assert ours.head._raggedfsdp_state is ours.norm._raggedfsdp_state
+    # forward: the [norm, head] group stays gathered for backward, the embedding is freed
+    logits = ours(_my_rows(batch(0, ROWS)[0]))
+    kept, embed_freed = group.is_unsharded, not ours.embed._raggedfsdp_state.group.is_unsharded
+    logits.sum().backward()
+    ours.zero_grad()
+    peer_params = {n: p.full_tensor() for n, p in peer.named_parameters()}
+    diffs = [
+        (p.full_tensor() - peer_params[n]).abs().max().item() for n, p in ours.named_parameters()
+    ]
+    return {
+        "vs_fsdp2": max(diffs),
+        "bitwise_fsdp2": all(d == 0 for d in diffs),
+        "group_name": group.name,
+        "param_names": sorted(group.layout.by_name),
+        "kept_after_forward": kept,
+        "embedding_freed_after_forward": embed_freed,
+        "freed_after_backward": not group.is_unsharded,
+        "losses_fall": our_losses[-1] < our_losses[1],
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torchtitan_wrapping_with_a_list_group_matches_fsdp2(pool, world_size):
+    for res in pool.run(_torchtitan_parity, 4):
+        assert res["group_name"] == "[norm, head]"
+        assert res["param_names"] == ["0.weight", "1.bias", "1.weight"]
+        assert res["kept_after_forward"] and res["embedding_freed_after_forward"]
+        assert res["freed_after_backward"] and res["losses_fall"]
+        assert res["vs_fsdp2"] < 1e-6, res
+        if world_size == 2:
+            assert res["bitwise_fsdp2"], res
+
+
+def test_list_of_modules_bad_input():
+    model = make_model()
+    with pytest.raises(TypeError, match="non-empty list"):
+        fully_shard([])
+    with pytest.raises(ValueError, match="same module twice"):
+        fully_shard([model.norm, model.norm])
+    fully_shard(model.norm)
+    with pytest.raises(ValueError, match="RMSNorm is already wrapped"):
+        fully_shard([model.head, model.norm])
+    assert not hasattr(model.head, "_raggedfsdp_state")  # the refused call changed nothing

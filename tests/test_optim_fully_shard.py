@@ -9,6 +9,7 @@ not the optimizer's (the other optimizer tests feed exact gradients for that).
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -16,19 +17,25 @@ import torch
 from raggedfsdp.optim import AdamW, AdamW8bit
 from raggedfsdp.sharding import RaggedTensor
 
-OPTIMIZERS = {"AdamW": (AdamW, torch.optim.AdamW), "AdamW8bit": (AdamW8bit, AdamW8bit)}
+OPTIMIZERS = {  # name: (sharded optimizer, one-process reference, shard policy)
+    "AdamW": (AdamW, torch.optim.AdamW, AdamW.shard_policy()),
+    "AdamW8bit": (AdamW8bit, AdamW8bit, AdamW8bit.shard_policy()),
+    # torch's own optimizers on RaggedTensor parameters, on their foreach and fused kernels
+    "torch AdamW foreach": (*[partial(torch.optim.AdamW, foreach=True)] * 2, None),
+    "torch AdamW fused": (*[partial(torch.optim.AdamW, fused=True)] * 2, None),
+    "torch SGD fused": (*[partial(torch.optim.SGD, momentum=0.9, fused=True)] * 2, None),
+}
 
 
 def _train(name: str) -> list[tuple[str, bool, bool]]:
     from raggedfsdp.fsdp import fully_shard
 
-    sharded_cls, reference_cls = OPTIMIZERS[name]
+    sharded_cls, reference_cls, policy = OPTIMIZERS[name]
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 96), torch.nn.Linear(96, 5)
     )
     reference = copy.deepcopy(model)
-    policy = sharded_cls.shard_policy()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, shard_policy=policy)

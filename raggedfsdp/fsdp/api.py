@@ -69,7 +69,7 @@ class FSDPModule:
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         modules = self.modules() if recurse else [self]
-        return [getattr(m, _STATE) for m in modules if hasattr(m, _STATE)]
+        return list(dict.fromkeys(getattr(m, _STATE) for m in modules if hasattr(m, _STATE)))
 
 
 _CLASSES: dict[type, type] = {}
@@ -82,7 +82,7 @@ def _fsdp_class(cls: type) -> type:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | ShardMesh | torch.distributed.ProcessGroup | None = None,
     reshard_after_forward: bool = True,
@@ -92,7 +92,10 @@ def fully_shard(
     """Shard ``module``'s parameters (those not taken by an earlier call) as one group.
 
     Args:
-        module: the module to wrap; its class gains ``FSDPModule``'s methods.
+        module: the module to wrap; its class gains ``FSDPModule``'s methods. A list of modules
+            (e.g. torchtitan's ``[model.norm, model.output]``) forms one group: gathered before
+            the first of them runs its forward, resharded after the last; its parameters are
+            named ``"<index in the list>.<name>"`` in the plan.
         mesh: 1-D ``DeviceMesh`` or process group (FSDP), 2-D ``DeviceMesh`` (HSDP: dim 0
             replicates, dim 1 shards), or ``None`` for the default group (a single process when
             torch.distributed is not initialised).
@@ -109,14 +112,11 @@ def fully_shard(
     Parameters must be initialised identically on every rank (same seed) or loaded afterwards
     from a checkpoint: each rank keeps its pieces of its own copy.
     """
-    if hasattr(module, _STATE):
-        raise ValueError(
-            f"{type(module).__name__} is already wrapped by fully_shard; wrap each module once "
-            "(blocks first, then the root)"
-        )
+    modules = _as_module_list(module)
     shard_mesh = resolve_mesh(mesh)
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    params = _collect_params(module)
+    params = _collect_params(modules)
+    owner = " + ".join(type(m).__name__ for m in modules)
     group = None
     if params:
         _check_mesh_device(shard_mesh, params[0].original, params[0].fqn)
@@ -127,19 +127,38 @@ def fully_shard(
             mp_policy,
             shard_policy or element_units(),
             comm_streams=lambda: state.ctx.comm_streams() if state.ctx else (None, None),
-            name=type(module).__name__,
+            name=owner,
         )
         for tensor in originals + [mp.sharded for mp in params]:
-            tensor._raggedfsdp_owner = type(module).__name__
-    state = FSDPState(module, group, reshard_after_forward, mp_policy)
-    setattr(module, _STATE, state)
-    module.__class__ = _fsdp_class(type(module))
+            tensor._raggedfsdp_owner = owner
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    for m in modules:
+        setattr(m, _STATE, state)
+        m.__class__ = _fsdp_class(type(m))
     return module
 
 
-def _collect_params(module: nn.Module) -> list[ManagedParam]:
-    """The parameters of ``module`` outside already-wrapped submodules, each once, with every
-    place that refers to it."""
+def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    modules = [module] if isinstance(module, nn.Module) else list(module)
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
+        raise TypeError(
+            f"fully_shard(module=...) takes an nn.Module or a non-empty list of them, got "
+            f"{type(module).__name__}"
+        )
+    for m in modules:
+        if hasattr(m, _STATE):
+            raise ValueError(
+                f"{type(m).__name__} is already wrapped by fully_shard; wrap each module once "
+                "(blocks first, then the root)"
+            )
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list; pass it once")
+    return modules
+
+
+def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
+    """The parameters of ``modules`` outside already-wrapped submodules, each once, with every
+    place that refers to it (names get the module's list index when there are several)."""
     found: dict[int, ManagedParam] = {}
 
     def visit(mod: nn.Module, prefix: str) -> None:
@@ -154,15 +173,16 @@ def _collect_params(module: nn.Module) -> list[ManagedParam]:
                     "a parameter can be in one group only. "
                     "Tied/shared weights must be wrapped by one call (e.g. the common parent)."
                 )
-            if id(param) in found:
-                found[id(param)].locations.append((mod, name))
-            else:
+            if id(param) not in found:
                 found[id(param)] = ManagedParam(fqn, param, [(mod, name)])
+            elif (mod, name) not in found[id(param)].locations:  # a module reached twice
+                found[id(param)].locations.append((mod, name))
         for child_name, child in mod._modules.items():
             if child is not None and not hasattr(child, _STATE):
                 visit(child, f"{prefix}{child_name}.")
 
-    visit(module, "")
+    for i, module in enumerate(modules):
+        visit(module, f"{i}." if len(modules) > 1 else "")
     return list(found.values())
 
 

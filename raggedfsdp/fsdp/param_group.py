@@ -8,9 +8,10 @@ One group owns three flat buffers laid out by one plan:
   view), so the all-gather writes parameters in place; without mixed precision it is ``master``
   itself and even the all-gather input needs no copy.
 * ``grads``: autograd's fresh gradient for each unsharded parameter is copied (cast, if
-  ``reduce_dtype`` asks) into its slice of the full gradient buffer as soon as it is accumulated,
-  then freed; the reduce-scatter runs in place on that buffer, and the sharded ``.grad`` tensors
-  are views of its local segment.
+  ``reduce_dtype`` asks) into its slice of the full gradient buffer, then freed: as soon as it
+  is accumulated, or once the group's last one arrives (mixed precision, the root); the
+  reduce-scatter runs in place on that buffer, and the sharded ``.grad`` tensors are views of
+  its output segment.
 
 Nothing is copied into or out of a communication buffer around a collective.
 """
@@ -118,7 +119,11 @@ class ParamGroup:
         self.arrived = 0  # gradients accumulated during the current backward
         self.num_trainable = sum(mp.requires_grad for mp in params)
         self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
-        self.defer_flatten = False  # set by the root for groups with wrapped submodules
+        # Hold fresh gradients until the group is complete instead of copying each into the
+        # flat buffer (see accumulate_grad; the root also sets it for groups with wrapped
+        # submodules) with mixed precision, and off the CPU, where allocating the buffer commits
+        # all of it while the kernel commits a CPU buffer's pages only as they are written.
+        self.defer_flatten = reduce_dtype != compute_dtype or self.device.type != "cpu"
         self.requires_gradient_sync = True
         self.use_sharded_params()
 
@@ -181,8 +186,9 @@ class ParamGroup:
 
     def reshard(self) -> None:
         """Point the modules back at the sharded parameters and free the unsharded memory."""
-        if self._gather is not None:  # a prefetch that was never used
+        if self._gather is not None:  # a prefetch that was never used: its buffer goes too
             self._wait_gather()
+            self.is_unsharded = True
         self.use_sharded_params()
         if self.is_unsharded:
             self.compute.free_full()
@@ -192,11 +198,18 @@ class ParamGroup:
     def accumulate_grad(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate hook of unsharded parameter ``index``: take its fresh gradient.
 
-        Normally it goes straight into the flat gradient buffer (one copy, cast if needed) and
-        is freed, so a block holds one flat buffer instead of all its gradients. A group whose
-        gradients arrive spread over the whole backward (the root: the head's first, the
-        embedding's last, with every block in between) holds them instead until the last one,
-        so its flat buffer does not sit idle through the backward (``defer_flatten``).
+        On CPU it normally goes straight into the flat gradient buffer (one copy) and is
+        freed: the buffer's pages are committed as they are written, so this never holds more
+        than the gradients so far. With ``defer_flatten`` the fresh gradients are held until
+        the last one arrives and are copied then, after the parameters are freed:
+
+        * on CUDA, where the allocator commits the whole buffer at once: allocated at the start
+          of a block's backward it would sit beside the block's activations;
+        * with mixed precision: a bf16 gradient takes half the bytes of its fp32 slot, so the
+          middle of a block's backward holds the smaller form and the cast happens at the end;
+        * for a group whose gradients arrive spread over the whole backward (the root: the
+          head's first, the embedding's last, with every block in between), so its buffer does
+          not sit idle through the backward.
         """
         grad = param.grad
         param.grad = None

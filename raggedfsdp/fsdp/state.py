@@ -99,8 +99,8 @@ class RootContext:
         full gradient buffers never pile up. gloo only progresses (and reports completion of)
         async work when it is waited on, so on CPU it is finished right away, which frees the
         buffers (and gloo's internal copy of the input) at once."""
+        group.reshard()  # every gradient is in: free the parameters before the flat buffer
         group.reduce_grads()
-        group.reshard()  # every gradient of the group is in: its parameters are done
         self.reducing.append(group)
         in_flight = 1 if group.device.type == "cuda" else 0
         while len(self.reducing) > in_flight:
@@ -128,59 +128,80 @@ class RootContext:
 
 
 class FSDPState:
-    """Hooks and settings of one ``fully_shard``-ed module."""
+    """Hooks and settings of one ``fully_shard`` call: one module, or several sharing a group
+    (e.g. ``[model.norm, model.output]``), which then gathers before the first of them runs its
+    forward and reshards after the last."""
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: list[nn.Module],
         group: ParamGroup | None,
         reshard_after_forward: bool,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module_ref = weakref.ref(module)
+        self.module_refs = [weakref.ref(m) for m in modules]
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.ctx: RootContext | None = None
         self.is_root = False
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, prepend=False)
+        self._yet_to_run: set[int] = set()  # ids of this forward's modules that have not run
+        for module in modules:
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, prepend=False)
         if group is not None:
             for i, mp in enumerate(group.params):
                 if mp.unsharded.requires_grad:
                     mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(i))
 
     # ----------------------------------------------------------------------------- set-up
+    @property
+    def modules(self) -> list[nn.Module]:
+        return [ref() for ref in self.module_refs]
+
     def _lazy_init(self) -> None:
         if self.ctx is not None:
             return
-        root = self.module_ref()
-        named = [(n, m) for n, m in root.named_modules() if hasattr(m, "_raggedfsdp_state")]
-        states = [m._raggedfsdp_state for _, m in named]
-        for path, module in named:
-            if module._raggedfsdp_state.group is not None:
-                module._raggedfsdp_state.group.name = path or f"root ({type(root).__name__})"
+        paths: dict[FSDPState, list[str]] = {}  # every state below the root, in module order
+        for root in self.modules:
+            for path, module in root.named_modules():
+                if hasattr(module, "_raggedfsdp_state"):
+                    name = path or f"root ({type(root).__name__})"
+                    paths.setdefault(module._raggedfsdp_state, []).append(name)
+        states = list(paths)
+        for state, names in paths.items():
+            if state.group is not None:
+                state.group.name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
         _check_ranks_agree(states)
         ctx = RootContext(states)
         for state in states:
             if state.ctx is None:
                 state.ctx = ctx
-            module = state.module_ref()
-            nested = any(hasattr(m, "_raggedfsdp_state") for m in list(module.modules())[1:])
+            nested = any(
+                getattr(m, "_raggedfsdp_state", state) is not state
+                for module in state.modules
+                for m in module.modules()
+            )
             if state.group is not None:
-                state.group.defer_flatten = nested
+                state.group.defer_flatten |= nested
         self.is_root = True
 
     # ----------------------------------------------------------------------------- forward
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._lazy_init()
         ctx = self.ctx
-        if not in_backward() and not ctx.order_recorded and self not in ctx.forward_order:
-            ctx.forward_order.append(self)
+        if self.is_root and not in_backward():  # a new forward: forget modules that never ran
+            for state in ctx.states:
+                state._yet_to_run.clear()
+        first_to_run = not self._yet_to_run
+        if not in_backward() and first_to_run:
+            self._yet_to_run = {id(m) for m in self.modules}
+            if not ctx.order_recorded and self not in ctx.forward_order:
+                ctx.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
             self.group.use_unsharded_params()
-        if not in_backward():
+        if not in_backward() and first_to_run:
             nxt = ctx.next_after(self, +1)
             if nxt is not None and nxt.group is not None:
                 nxt.group.unshard(async_op=True)
@@ -193,10 +214,12 @@ class FSDPState:
         if in_backward():  # recomputation for activation checkpointing: backward needs them
             return output
         ctx = self.ctx
-        if self.is_root:
-            ctx.order_recorded = True
-        if self.group is not None and self.reshard_after_forward and not self.is_root:
-            self.group.reshard()
+        self._yet_to_run.discard(id(module))
+        if not self._yet_to_run:  # the last of the group's modules has run its forward
+            if self.is_root:
+                ctx.order_recorded = True
+            if self.group is not None and self.reshard_after_forward and not self.is_root:
+                self.group.reshard()
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]

@@ -121,7 +121,7 @@ class RaggedTensor(torch.Tensor):
         handler = _SPECIAL.get(func)
         if handler is not None:
             return handler(func, args, kwargs)
-        if func.name().startswith("aten::_foreach_"):
+        if func.name().startswith("aten::_foreach_") or func.name() in _FUSED_OPTIMIZER_OPS:
             return _foreach(func, args, kwargs)
         if torch.Tag.pointwise in func.tags:
             return _pointwise(func, args, kwargs)
@@ -227,11 +227,17 @@ def _pointwise(func, args, kwargs):
 
 
 def _foreach(func, args, kwargs):
+    """``_foreach_*`` ops and torch's fused optimizer kernels: lists of tensors, each updated
+    element by element, so every index runs on its local pieces."""
     base = func._schema.name.removeprefix("aten::_foreach_").rstrip("_")
     packet = getattr(aten, base, None)
-    elementwise = base in ("zero", "copy") or (
-        packet is not None
-        and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+    elementwise = (
+        base in ("zero", "copy")
+        or func.name() in _FUSED_OPTIMIZER_OPS
+        or (
+            packet is not None
+            and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+        )
     )
     if not elementwise:
         raise NotImplementedError(
@@ -293,6 +299,11 @@ def _equal(func, args, kwargs):
     raise NotImplementedError("torch.equal on RaggedTensors needs the same RaggedShard")
 
 
+# torch.optim's ``fused=True`` kernels: element-wise updates over lists of tensors
+_FUSED_OPTIMIZER_OPS = frozenset(
+    f"aten::_fused_{name}_" for name in ("adam", "adamw", "sgd", "adagrad")
+)
+
 _SPECIAL = {
     aten.detach.default: _same_spec_unary,
     aten.alias.default: _same_spec_unary,
@@ -309,3 +320,18 @@ _SPECIAL = {
     aten.fill_.Scalar: _in_place_local,
     aten.equal.default: _equal,
 }
+
+
+def _register_with_torch_optimizers() -> None:
+    """Let torch.optim (and torch.nn.utils) pick their ``foreach`` / ``fused`` paths for
+    RaggedTensor parameters, as DTensor registers itself: without this they fall back to the
+    per-tensor loop on CUDA, and ``fused=True`` refuses the parameters."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for supported in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if RaggedTensor not in supported:
+            supported.append(RaggedTensor)
+
+
+_register_with_torch_optimizers()
