@@ -29,7 +29,9 @@ METRICS = [
 def label(run: dict) -> str:
     a = run["args"]
     text = f"W={a['world_size']}, {run['params'] / 1e6:.0f}M"
-    return text + (", AC" if a.get("activation_checkpointing") else "")
+    text += "\nbf16/fp32" if a.get("mixed_precision") else "\nfp32"
+    text += ", AC" if a.get("activation_checkpointing") else ""
+    return text + (", titan" if a.get("wrap") == "torchtitan" else "")
 
 
 def main() -> None:
@@ -39,12 +41,12 @@ def main() -> None:
     args = parser.parse_args()
     runs = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     width = 0.8 / len(METRICS)
-    fig, ax = plt.subplots(figsize=(2.2 * len(runs) + 2, 4))
+    fig, ax = plt.subplots(figsize=(1.3 * len(runs) + 2, 4.5))
     for i, (key, name, goal) in enumerate(METRICS):
         xs = [j + i * width for j in range(len(runs))]
         ax.bar(xs, [r["ratio"][key] for r in runs], width, label=f"{name} (goal ≤ {goal})")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="FSDP2")
-    ax.set_xticks([j + width for j in range(len(runs))], [label(r) for r in runs])
+    ax.set_xticks([j + width for j in range(len(runs))], [label(r) for r in runs], fontsize=7)
     ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")
     ax.set_title("fully_shard vs PyTorch FSDP2, same process run (CPU, gloo)")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4)

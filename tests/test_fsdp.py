@@ -3,6 +3,8 @@ checkpointing, gradient accumulation, zero-copy buffers and bad input."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -160,6 +162,41 @@ def test_bf16_compute_with_fp32_master_and_reduction(pool):
     for res in pool.run(_mixed_precision, 3):
         assert res["master_dtypes"] == {torch.float32, True}
         assert res["loss_diff"] < 3e-2 and res["param_diff"] < 3e-2, res
+
+
+def _flush_order() -> list[tuple[str, bool]]:
+    """With mixed precision each group holds its bf16 gradients until the last arrives; they go
+    into the fp32 buffer only after the group's parameters are freed."""
+    from raggedfsdp.fsdp.param_group import ParamGroup
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _torchtitan_wrap(make_model(), partial(fully_shard, mp_policy=mp))
+    seen, flush = [], ParamGroup.flush_held_grads
+
+    def recording(group: ParamGroup) -> None:
+        if group._held:
+            seen.append((group.name, group.compute.is_full_allocated))
+        flush(group)
+
+    ParamGroup.flush_held_grads = recording
+    try:
+        loss_fn(model, *batch(0, 2)).backward()
+    finally:
+        ParamGroup.flush_held_grads = flush
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_mixed_precision_gradients_are_flattened_after_the_parameters_are_freed(pool):
+    for seen in pool.run(_flush_order):
+        assert [name for name, _ in seen] == [
+            "[norm, head]",
+            "layers.2",
+            "layers.1",
+            "layers.0",
+            "embed",
+        ], seen
+        assert not any(allocated for _, allocated in seen), seen
 
 
 # ----------------------------------------------------------------------------- accumulation
@@ -403,7 +440,7 @@ def test_ranks_with_different_models_fail_before_the_first_collective(pool, kind
 
 
 # ----------------------------------------------------------------------------- torchtitan style
-def _torchtitan_wrap(model: nn.Module, wrap) -> dict:
+def _torchtitan_wrap(model: nn.Module, wrap) -> nn.Module:
     """torchtitan's apply_fsdp: the embedding alone, each block, the final norm and the output
     projection as one group kept unsharded after forward (backward needs them first), the root."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -218,10 +218,8 @@ class ParamGroup:
         self.arrived += 1
         if self.grads.is_full_allocated or not self.defer_flatten:
             self._write_grad(index, grad)
-            return
-        self._held[index] = grad
-        if self.arrived == self.num_trainable:
-            self.flush_held_grads()
+        else:  # flushed by reduce_grads, after the parameters are freed (or at backward's end)
+            self._held[index] = grad
 
     def flush_held_grads(self) -> None:
         """Move held gradients into the flat buffer, freeing each one once copied."""
