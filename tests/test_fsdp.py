@@ -509,3 +509,31 @@ def test_list_of_modules_bad_input():
     with pytest.raises(ValueError, match="RMSNorm is already wrapped"):
         fully_shard([model.head, model.norm])
     assert not hasattr(model.head, "_raggedfsdp_state")  # the refused call changed nothing
+
+
+def _eval_leaves_everything_sharded(wrapping: str) -> dict:
+    model = make_model()
+    if wrapping == "torchtitan":
+        _torchtitan_wrap(model, fully_shard)
+    else:
+        _shard(model)
+    groups = [m._raggedfsdp_state.group for m in model.modules() if hasattr(m, "_raggedfsdp_state")]
+    inputs = _my_rows(batch(0, ROWS)[0])
+    with torch.no_grad():
+        model(inputs)
+    after_eval = {g.name: g.is_unsharded for g in set(groups) if g is not None}
+    model(inputs).sum().backward()  # training still works after it
+    return {
+        "unsharded_after_eval": [name for name, unsharded in after_eval.items() if unsharded],
+        "all_ragged": all(isinstance(p, RaggedTensor) for p in model.parameters()),
+        "grads": all(p.grad is not None for p in model.parameters()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("wrapping", ["blocks", "torchtitan"])
+def test_forward_without_grad_reshards_every_group(pool, wrapping):
+    """No backward follows a no-grad forward, so even the root and groups kept for backward
+    (``reshard_after_forward=False``) free their unsharded parameters."""
+    for res in pool.run(_eval_leaves_everything_sharded, wrapping):
+        assert res == {"unsharded_after_eval": [], "all_ragged": True, "grads": True}, res

@@ -6,9 +6,9 @@ from then on:
 
 * pre-forward: finish (or start) the group's all-gather, point the module at the unsharded
   parameters, and start prefetching the next group in the recorded forward order;
-* post-forward: reshard (unless asked not to; the root never does, its backward comes first) and
-  hook the outputs so the group is gathered again, and the one before it prefetched, when their
-  gradients arrive;
+* post-forward: reshard (unless asked not to, or the root, whose backward comes first; under
+  ``torch.no_grad`` always, no backward will come) and hook the outputs so the group is gathered
+  again, and the one before it prefetched, when their gradients arrive;
 * backward: each unsharded parameter's post-accumulate hook moves its gradient into the flat
   gradient buffer; when a group has them all, its reduce-scatter starts asynchronously;
 * at the end of backward (an autograd callback queued by the root): reduce what is left (unused
@@ -218,7 +218,9 @@ class FSDPState:
         if not self._yet_to_run:  # the last of the group's modules has run its forward
             if self.is_root:
                 ctx.order_recorded = True
-            if self.group is not None and self.reshard_after_forward and not self.is_root:
+            # kept for backward unless asked otherwise; with grad off no backward will come
+            keep = not self.reshard_after_forward or self.is_root
+            if self.group is not None and not (keep and torch.is_grad_enabled()):
                 self.group.reshard()
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad

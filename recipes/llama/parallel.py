@@ -2,7 +2,7 @@
 
 The recipe runs under ``torchrun`` (one process per device, any number of nodes) or as a plain
 ``python -m`` process (a world of one). ``--fsdp fsdp2`` swaps ``raggedfsdp.fully_shard`` for
-``torch.distributed.fsdp.fully_shard`` with the same per-block wrapping and mixed precision, so
+``torch.distributed.fsdp.fully_shard`` with the same wrapping and mixed precision, so
 the two can be compared on the same run.
 """
 
@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import raggedfsdp
+from raggedfsdp.optim.muon import MuonShardPolicy
 from raggedfsdp.sharding import ShardPolicy
 from recipes.llama.config import Config, ConfigError
 from recipes.llama.model import Transformer
@@ -118,10 +119,14 @@ def _wrapper(
 
 
 def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transformer:
-    """The sharded model: built on the meta device, then each block is allocated, initialised
-    and wrapped in turn (one communication group per block), then the root (embeddings, final
-    norm, head), as torchtitan does. No process ever holds more than one unsharded block beyond
-    its shards, so a 70B model starts like a tiny one."""
+    """The sharded model, wrapped as torchtitan's ``apply_fsdp`` does.
+
+    Built on the meta device, then each block is allocated, initialised and wrapped in turn (one
+    communication group per block), so no process ever holds more than one unsharded block
+    beyond its shards and a 70B model starts like a tiny one. Then the embedding alone (freed
+    after forward) and the final norm with the output projection as one group kept unsharded
+    after forward (backward needs them first), so the root does not hold them, nor the output's
+    gradient, through the whole backward; tied embeddings stay in the root's group."""
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
     wrap = _wrapper(cfg, env.mesh, policy)
@@ -129,8 +134,25 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
         model.materialize_block(index, env.device, cfg.seed)
         wrap(block)
     model.materialize_root(env.device, cfg.seed)
+    if not cfg.model.tie_embeddings:
+        wrap_edge = _wrapper(cfg, env.mesh, _outside_muon(policy))
+        wrap_edge(model.tok_embeddings)
+        wrap_edge([model.norm, model.output], reshard_after_forward=False)
     wrap(model)
     return model
+
+
+def _outside_muon(policy: ShardPolicy | None) -> ShardPolicy | None:
+    """The policy for the embedding and the output projection, which Muon leaves to AdamW
+    (``split_muon_params``). Wrapped alone, their parameters are named ``weight``, which a Muon
+    policy would take for a hidden matrix, so tell it; other policies do not read names."""
+    if isinstance(policy, MuonShardPolicy):
+        return MuonShardPolicy(
+            policy.whole_matrices,
+            is_muon=lambda fqn, shape: False,
+            alignment_bytes=policy.alignment_bytes,
+        )
+    return policy
 
 
 def clip_gradients(model: nn.Module, cfg: Config) -> float:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from recipes.llama.checkpoint import Checkpointer, CheckpointError, GracefulStop, TrainState
 from recipes.llama.config import Config, ConfigError, parse_args, usage
@@ -90,7 +91,10 @@ def evaluate(model: nn.Module, batches: Batches, cfg: Config, env: Env, accum: i
         for micro in range(accum):
             x, y = batches.local(index, env.rank, env.world_size, micro, accum)
             total += loss_fn(model, x.to(env.device), y.to(env.device))
-    model.reshard()  # the root keeps its parameters gathered after forward, for a backward
+    if cfg.fsdp == "fsdp2":  # FSDP2 keeps its root (and [norm, output]) gathered for a backward
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     dist.all_reduce(total)
     return total.item() / (cfg.eval_batches * accum * env.world_size)
 
