@@ -9,7 +9,10 @@ medians (ours / FSDP2, lower is better):
 * a full training step (forward, backward, optimizer step);
 * peak resident memory above the post-warm-up level during a step (unsharded parameters,
   gradient buffers, copies, activations), measured with glibc returning freed memory to the OS
-  (REFERENCE §6: MALLOC_* variables set before the ranks start, VmHWM reset per step).
+  (REFERENCE §6: MALLOC_* variables set before the ranks start, VmHWM reset per step);
+* peak allocated tensor bytes above the step's start, from the profiler's allocator events in
+  one extra step: the view a GPU's caching allocator has (a buffer counts in full once
+  allocated, where the kernel makes a CPU buffer resident page by page as it is written).
 
     python benchmarks/fsdp_vs_fsdp2.py [--world-size 2] [--dim 512] [--layers 4] [--steps 8]
         [--activation-checkpointing] [--mixed-precision] [--wrap {blocks,torchtitan}]
@@ -84,6 +87,24 @@ def _peak_above_now(fn) -> float:
     before = _status_kib("VmRSS")
     fn()
     return (_status_kib("VmHWM") - before) / 1024
+
+
+def _peak_allocated(fn) -> float:
+    """Run ``fn`` under the profiler; the peak of live tensor bytes above the start, in MiB."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
 
 
 def _status_kib(field: str) -> int:
@@ -165,10 +186,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
                 _peak_above_now(lambda n=name: losses.__setitem__(n, step(n)))
             )
             times[name]["step"].append(time.perf_counter() - t0)
+    allocated = {name: _peak_allocated(lambda n=name: step(n)) for name in models}
     if rank == 0:
         out.put(
             {
-                n: {k: statistics.median(v) for k, v in d.items()} | {"loss": losses[n]}
+                n: {k: statistics.median(v) for k, v in d.items()}
+                | {"loss": losses[n], "allocated": allocated[n]}
                 for n, d in times.items()
             }
         )
@@ -213,6 +236,7 @@ def main() -> None:
         "unshard_reshard": ours["gather"] / peer["gather"],
         "step": ours["step"] / peer["step"],
         "peak_memory": ours["mem"] / peer["mem"],
+        "peak_allocated": ours["allocated"] / peer["allocated"],
     }
     params = sum(p.numel() for p in Model(args.vocab, args.dim, args.layers).parameters())
     print(
@@ -238,6 +262,7 @@ def main() -> None:
         ("unshard+reshard (ms)", "gather", 1e3),
         ("training step (ms)", "step", 1e3),
         ("peak above resident (MiB)", "mem", 1.0),
+        ("peak allocated (MiB)", "allocated", 1.0),
     ]
     for label, key, scale in rows:
         print(

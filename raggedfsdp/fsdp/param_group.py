@@ -7,11 +7,10 @@ One group owns three flat buffers laid out by one plan:
 * ``compute``: the all-gather buffer. Its full buffer *is* the unsharded parameters (each one a
   view), so the all-gather writes parameters in place; without mixed precision it is ``master``
   itself and even the all-gather input needs no copy.
-* ``grads``: autograd's fresh gradient for each unsharded parameter is copied (cast, if
-  ``reduce_dtype`` asks) into its slice of the full gradient buffer, then freed: as soon as it
-  is accumulated, or once the group's last one arrives (mixed precision, the root); the
-  reduce-scatter runs in place on that buffer, and the sharded ``.grad`` tensors are views of
-  its output segment.
+* ``grads``: once the group's last fresh gradient has arrived and its parameters are freed,
+  each one is copied (cast, if ``reduce_dtype`` asks) into its slice of the full gradient
+  buffer and freed; the reduce-scatter runs in place on that buffer, and the sharded ``.grad``
+  tensors are views of its output segment.
 
 Nothing is copied into or out of a communication buffer around a collective.
 """
@@ -119,11 +118,6 @@ class ParamGroup:
         self.arrived = 0  # gradients accumulated during the current backward
         self.num_trainable = sum(mp.requires_grad for mp in params)
         self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
-        # Hold fresh gradients until the group is complete instead of copying each into the
-        # flat buffer (see accumulate_grad; the root also sets it for groups with wrapped
-        # submodules) with mixed precision, and off the CPU, where allocating the buffer commits
-        # all of it while the kernel commits a CPU buffer's pages only as they are written.
-        self.defer_flatten = reduce_dtype != compute_dtype or self.device.type != "cpu"
         self.requires_gradient_sync = True
         self.use_sharded_params()
 
@@ -198,27 +192,25 @@ class ParamGroup:
     def accumulate_grad(self, index: int, param: nn.Parameter) -> None:
         """Post-accumulate hook of unsharded parameter ``index``: take its fresh gradient.
 
-        On CPU it normally goes straight into the flat gradient buffer (one copy) and is
-        freed: the buffer's pages are committed as they are written, so this never holds more
-        than the gradients so far. With ``defer_flatten`` the fresh gradients are held until
-        the last one arrives and are copied then, after the parameters are freed:
-
-        * on CUDA, where the allocator commits the whole buffer at once: allocated at the start
-          of a block's backward it would sit beside the block's activations;
-        * with mixed precision: a bf16 gradient takes half the bytes of its fp32 slot, so the
-          middle of a block's backward holds the smaller form and the cast happens at the end;
-        * for a group whose gradients arrive spread over the whole backward (the root: the
-          head's first, the embedding's last, with every block in between), so its buffer does
-          not sit idle through the backward.
+        The group's fresh gradients are held as autograd made them until the last one arrives;
+        then the parameters are freed and ``reduce_grads`` copies (casts) each into the flat
+        buffer and frees it. Copying each on arrival would put the whole buffer (on CUDA the
+        allocator commits it at once; with mixed precision it is fp32, twice the bf16
+        gradients) beside the block's activations at the start of its backward; held, the
+        gradients cost what FSDP2 holds there, and the copy happens when the block's
+        activations are gone and its parameters freed. A group whose gradients arrive spread
+        over the whole backward (the root: the head's first, the embedding's last) holds only
+        those. Only when accumulating without sync does a gradient go straight into the
+        buffer, which then already holds the sum so far.
         """
         grad = param.grad
         param.grad = None
         if grad is None:
             return
         self.arrived += 1
-        if self.grads.is_full_allocated or not self.defer_flatten:
+        if self.grads.is_full_allocated:
             self._write_grad(index, grad)
-        else:  # flushed by reduce_grads, after the parameters are freed (or at backward's end)
+        else:  # flushed by reduce_grads after the parameters are freed, or at backward's end
             self._held[index] = grad
 
     def flush_held_grads(self) -> None:

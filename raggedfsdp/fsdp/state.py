@@ -9,8 +9,9 @@ from then on:
 * post-forward: reshard (unless asked not to, or the root, whose backward comes first; under
   ``torch.no_grad`` always, no backward will come) and hook the outputs so the group is gathered
   again, and the one before it prefetched, when their gradients arrive;
-* backward: each unsharded parameter's post-accumulate hook moves its gradient into the flat
-  gradient buffer; when a group has them all, its reduce-scatter starts asynchronously;
+* backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
+  has them all, its parameters are freed, the gradients go into the flat gradient buffer and
+  its reduce-scatter starts asynchronously;
 * at the end of backward (an autograd callback queued by the root): reduce what is left (unused
   parameters get zeros), wait for every reduce-scatter, set the sharded ``.grad`` views and
   reshard everything.
@@ -177,13 +178,6 @@ class FSDPState:
         for state in states:
             if state.ctx is None:
                 state.ctx = ctx
-            nested = any(
-                getattr(m, "_raggedfsdp_state", state) is not state
-                for module in state.modules
-                for m in module.modules()
-            )
-            if state.group is not None:
-                state.group.defer_flatten |= nested
         self.is_root = True
 
     # ----------------------------------------------------------------------------- forward

@@ -15,15 +15,13 @@ Memory model (what ``raggedfsdp.fully_shard`` holds, per rank, in bytes):
 * transient, by phase: in forward, the full all-gather buffers (``W * S`` elements) of the current
   group and the prefetched next one; in backward, the re-gathered current group and the prefetched
   previous one, the current group's full gradient buffer (``--reduce-dtype``), the reduce-scatter
-  still in flight on NCCL (one group; gloo finishes each at once), autograd's fresh gradient of
-  the group's largest tensor before it is moved into the flat buffer, and the sharded gradients
-  of the groups already reduced. With mixed precision or on NCCL (CUDA) the group's fresh
-  ``--param-dtype`` gradients are held until its last one arrives: then the larger of "all held
-  beside the parameters" and "all held beside the gradient buffer, the parameters freed".
-  gloo also stages each all-gather in a temporary copy of the full buffer (``ProcessGroupGloo``
-  gathers into a flat scratch tensor, then copies out). A root group (tied embeddings) stays
-  gathered throughout forward and backward and holds its fresh gradients until its last one
-  arrives.
+  still in flight on NCCL (one group; gloo finishes each at once), the group's fresh
+  ``--param-dtype`` gradients, held until its last one arrives (the larger of "all held beside
+  the parameters" and "all held beside the gradient buffer, the parameters freed"), and the
+  sharded gradients of the groups already reduced. gloo also stages each all-gather in a
+  temporary copy of the full buffer (``ProcessGroupGloo`` gathers into a flat scratch tensor,
+  then copies out). A root group (tied embeddings) stays gathered throughout forward and
+  backward and holds its fresh gradients until its last one arrives.
 
 The total is the persistent part plus the largest phase. Activations and optimizer-step
 temporaries are not included (they depend on batch, sequence length, checkpointing, kernels).
@@ -245,8 +243,7 @@ def _memory(plans, sequence, settings: Settings) -> tuple[dict[str, float], str]
     roots = [p for p, root in sequence if root]
     full = [world * p.segment * pb for p in window]
     grad_full = [world * p.segment * rb for p in window]
-    fresh = [max(t.numel for t in p.layout.tensors) * pb for p in window]
-    held = [p.layout.numel * pb for p in window]  # a deferring group's fresh gradients
+    held = [p.layout.numel * pb for p in window]  # a group's fresh gradients, before the copy
     sharded = [p.segment * mb for p in window]
     root_full = sum(world * p.segment * pb for p in roots)
     root_held = sum(p.layout.numel * pb for p in roots)  # their gradients wait for the last one
@@ -255,7 +252,6 @@ def _memory(plans, sequence, settings: Settings) -> tuple[dict[str, float], str]
     names = [p.group.name for p in window]
 
     nccl = settings.backend == "nccl"
-    deferred = nccl or prec.param != prec.reduce  # fully_shard's ParamGroup.defer_flatten
     phases: list[tuple[float, float, str]] = []  # (unsharded bytes, sharded grads, label)
     n = len(window)
     for i in range(n):
@@ -267,11 +263,8 @@ def _memory(plans, sequence, settings: Settings) -> tuple[dict[str, float], str]
         params = full[i] + behind if settings.reshard_after_forward else gathered_upto[i]
         params += 0.0 if nccl else max(full[i], behind)
         in_flight = grad_full[i + 1] if nccl and i + 1 < n else 0.0
-        if deferred:
-            flush = behind + (0.0 if nccl else behind) + held[i] + grad_full[i] + in_flight
-            unsharded = root_full + root_held + max(params + held[i], flush)
-        else:
-            unsharded = root_full + root_held + params + grad_full[i] + in_flight + fresh[i]
+        flush = behind + (0.0 if nccl else behind) + held[i] + grad_full[i] + in_flight
+        unsharded = root_full + root_held + max(params + held[i], flush)
         phases.append((unsharded, later[i], f"backward of {names[i]}"))
     if roots:
         root_grads = sum(world * p.segment * rb for p in roots)
