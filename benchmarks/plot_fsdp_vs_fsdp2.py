@@ -3,8 +3,9 @@
     python benchmarks/fsdp_vs_fsdp2.py ... | grep '^{' >> benchmarks/results/fsdp_vs_fsdp2.jsonl
     python benchmarks/plot_fsdp_vs_fsdp2.py [--results ...jsonl] [--out ...png]
 
-One group of bars per configuration (unshard+reshard, training step, peak memory); the dashed
-line at 1.0 is FSDP2, the goals of the fully_shard issue are marked.
+One group of bars per configuration (unshard+reshard, training step, peak resident memory,
+peak allocated tensor bytes); the dashed line at 1.0 is FSDP2, the legend gives the goals of
+the fully_shard issue.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ RESULTS = Path(__file__).parent / "results"
 METRICS = [
     ("unshard_reshard", "unshard+reshard", 0.8),
     ("step", "training step", 0.9),
-    ("peak_memory", "peak memory", 0.85),
+    ("peak_memory", "peak resident memory", 0.85),
+    ("peak_allocated", "peak allocated (GPU-like view)", 0.85),
 ]
 
 
