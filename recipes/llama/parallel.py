@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import raggedfsdp
-from raggedfsdp.optim.muon import MuonShardPolicy
 from raggedfsdp.sharding import ShardPolicy
 from recipes.llama.config import Config, ConfigError
 from recipes.llama.model import Transformer
@@ -126,7 +125,11 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     beyond its shards and a 70B model starts like a tiny one. Then the embedding alone (freed
     after forward) and the final norm with the output projection as one group kept unsharded
     after forward (backward needs them first), so the root does not hold them, nor the output's
-    gradient, through the whole backward; tied embeddings stay in the root's group."""
+    gradient, through the whole backward; tied embeddings stay in the root's group.
+
+    Wrapped alone, those parameters are named ``weight`` (``0.weight``, ``1.weight``), so a
+    name-based policy such as Muon's cannot tell them from hidden matrices; its default "auto"
+    mode still leaves them in element units, since a whole-matrix unit would add padding."""
     with torch.device("meta"):
         model = Transformer(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
     wrap = _wrapper(cfg, env.mesh, policy)
@@ -135,24 +138,10 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
         wrap(block)
     model.materialize_root(env.device, cfg.seed)
     if not cfg.model.tie_embeddings:
-        wrap_edge = _wrapper(cfg, env.mesh, _outside_muon(policy))
-        wrap_edge(model.tok_embeddings)
-        wrap_edge([model.norm, model.output], reshard_after_forward=False)
+        wrap(model.tok_embeddings)
+        wrap([model.norm, model.output], reshard_after_forward=False)
     wrap(model)
     return model
-
-
-def _outside_muon(policy: ShardPolicy | None) -> ShardPolicy | None:
-    """The policy for the embedding and the output projection, which Muon leaves to AdamW
-    (``split_muon_params``). Wrapped alone, their parameters are named ``weight``, which a Muon
-    policy would take for a hidden matrix, so tell it; other policies do not read names."""
-    if isinstance(policy, MuonShardPolicy):
-        return MuonShardPolicy(
-            policy.whole_matrices,
-            is_muon=lambda fqn, shape: False,
-            alignment_bytes=policy.alignment_bytes,
-        )
-    return policy
 
 
 def clip_gradients(model: nn.Module, cfg: Config) -> float:
