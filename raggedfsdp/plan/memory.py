@@ -18,10 +18,10 @@ Memory model (what ``raggedfsdp.fully_shard`` holds, per rank, in bytes):
   still in flight on NCCL (one group; gloo finishes each at once), the group's fresh
   ``--param-dtype`` gradients, held until its last one arrives (the larger of "all held beside
   the parameters" and "all held beside the gradient buffer, the parameters freed"), and the
-  sharded gradients of the groups already reduced. gloo also stages each all-gather in a
-  temporary copy of the full buffer (``ProcessGroupGloo`` gathers into a flat scratch tensor,
-  then copies out). A root group (tied embeddings) stays gathered throughout forward and
-  backward and holds its fresh gradients until its last one arrives.
+  sharded gradients of the groups already reduced. (On gloo the all-gather is an in-place OR
+  all-reduce, so no collective stages a copy of a full buffer there.) A root group (tied
+  embeddings) stays gathered throughout forward and backward and holds its fresh gradients
+  until its last one arrives.
 
 The total is the persistent part plus the largest phase. Activations and optimizer-step
 temporaries are not included (they depend on batch, sequence length, checkpointing, kernels).
@@ -256,14 +256,12 @@ def _memory(plans, sequence, settings: Settings) -> tuple[dict[str, float], str]
     n = len(window)
     for i in range(n):
         ahead = full[i + 1] if i + 1 < n else 0.0
-        staging = 0.0 if nccl else max(full[i], ahead)
         fwd = full[i] + ahead if settings.reshard_after_forward else gathered_upto[i] + ahead
-        phases.append((root_full + fwd + staging, 0.0, f"forward of {names[i]}"))
+        phases.append((root_full + fwd, 0.0, f"forward of {names[i]}"))
         behind = full[i - 1] if i > 0 else 0.0
         params = full[i] + behind if settings.reshard_after_forward else gathered_upto[i]
-        params += 0.0 if nccl else max(full[i], behind)
         in_flight = grad_full[i + 1] if nccl and i + 1 < n else 0.0
-        flush = behind + (0.0 if nccl else behind) + held[i] + grad_full[i] + in_flight
+        flush = behind + held[i] + grad_full[i] + in_flight
         unsharded = root_full + root_held + max(params + held[i], flush)
         phases.append((unsharded, later[i], f"backward of {names[i]}"))
     if roots:
