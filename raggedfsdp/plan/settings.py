@@ -87,8 +87,8 @@ class Settings:
     """Everything besides the model that the estimate depends on.
 
     ``backend``: ``"nccl"`` (``fully_shard`` leaves one reduce-scatter running while the next
-    group's backward computes; all-gathers land in place) or ``"gloo"`` (each reduce-scatter is
-    finished at once; each all-gather is staged in a scratch copy of the full buffer).
+    group's backward computes) or ``"gloo"`` (each reduce-scatter is finished at once); on both
+    all-gathers land in place.
     """
 
     mesh: Mesh
