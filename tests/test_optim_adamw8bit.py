@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from raggedfsdp.optim import AdamW8bit
 from raggedfsdp.optim.quant import (
@@ -19,12 +18,14 @@ from raggedfsdp.optim.quant import (
 )
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.test_optim_helpers import (
+    assert_resumes_bitwise,
     exact_grads,
     full_values,
     init_tensors,
     mode_params,
     rank_world,
     set_mode_grads,
+    train_checkpointed,
 )
 
 
@@ -268,31 +269,15 @@ def test_state_is_about_2_bytes_per_element_over_w(pool, tile):
 # ----------------------------------------------------------------------------- checkpoints
 def _dcp(path: str, mode: str, tile, save: bool) -> dict[str, torch.Tensor]:
     """Save after 2 steps then run 2 more (save=True), or load and run the last 2."""
-    world = rank_world()[1]
     init = init_tensors(SHAPES, seed=0 if save else 3)
     params, gbuf = mode_params(init, AdamW8bit.shard_policy(tile=tile), mode)
     opt = AdamW8bit([(n, p) for n, p in params.items()], lr=0.01, tile=tile)
-    first = 0 if save else 2
-    if not save:
-        state = {"model": dict(params), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        opt.load_state_dict(state["optim"])
-    for step in range(first, 4):
-        if save and step == 2:
-            dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
-        grads = {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
-        set_mode_grads(params, grads, gbuf)
-        opt.step()
-    return full_values(params)
+    return train_checkpointed(opt, params, gbuf, SHAPES, path, save, steps=4, at=2)
 
 
 @pytest.mark.parametrize(("mode", "tile"), [("fsdp", TILE), ("drop-in", None)])
 def test_dcp_save_at_4_ranks_resumes_bitwise_at_3(dist_pool, tmp_path, mode, tile):
-    path = str(tmp_path / "ckpt")
-    expected = dist_pool(4).run(_dcp, path, mode, tile, True)[0]
-    for rank, resumed in enumerate(dist_pool(3).run(_dcp, path, mode, tile, False)):
-        for n in SHAPES:
-            assert torch.equal(resumed[n], expected[n]), (rank, n)
+    assert_resumes_bitwise(dist_pool, _dcp, str(tmp_path / "ckpt"), mode, tile, names=SHAPES)
 
 
 def test_state_dict_round_trip_single_process():

@@ -157,6 +157,15 @@ def full_values(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor
     }
 
 
+def assert_resumes_bitwise(dist_pool, run, *args, names) -> None:
+    """``run(*args, save)`` (see ``train_checkpointed``) saved at 4 ranks and resumed at 3 ends
+    with bitwise the same full parameters ``names`` on every rank."""
+    expected = dist_pool(4).run(run, *args, True)[0]
+    for rank, resumed in enumerate(dist_pool(3).run(run, *args, False)):
+        for n in names:
+            assert torch.equal(resumed[n], expected[n]), (rank, n)
+
+
 def train_checkpointed(
     opt: torch.optim.Optimizer,
     params: dict[str, torch.nn.Parameter],

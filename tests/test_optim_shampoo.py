@@ -9,20 +9,19 @@ import math
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from raggedfsdp.optim import AdamW, Shampoo
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.test_optim_helpers import (
+    assert_resumes_bitwise,
     counted_params,
     exact_grads,
-    full_values,
     init_tensors,
     mode_params,
     ragged_params,
     rank_world,
-    set_mode_grads,
     set_ragged_grads,
+    train_checkpointed,
 )
 
 B = 4  # small blocks: several per matrix, cut edges, a matrix smaller than one block
@@ -332,30 +331,15 @@ def test_state_dict_round_trip_single_process():
 
 def _dcp(path: str, mode: str, save: bool) -> dict[str, torch.Tensor]:
     """Save after 2 steps then run 2 more (save=True), or load and run the last 2."""
-    world = rank_world()[1]
     init = init_tensors(SHAPES, seed=0 if save else 3)
     params, gbuf = mode_params(init, Shampoo.shard_policy(B), mode)
     opt = Shampoo(list(params.items()), **BASE, momentum=0.5)
-    if not save:
-        state = {"model": dict(params), "optim": opt.state_dict()}
-        dcp.load(state, checkpoint_id=path)
-        opt.load_state_dict(state["optim"])
-    grads = _grads(4, world)
-    for step in range(0 if save else 2, 4):
-        if save and step == 2:
-            dcp.save({"model": dict(params), "optim": opt.state_dict()}, checkpoint_id=path)
-        set_mode_grads(params, grads[step], gbuf)
-        opt.step()
-    return full_values(params)
+    return train_checkpointed(opt, params, gbuf, SHAPES, path, save, steps=4, at=2)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "drop-in"])
 def test_dcp_save_at_4_ranks_resumes_bitwise_at_3(dist_pool, tmp_path, mode):
-    path = str(tmp_path / "ckpt")
-    expected = dist_pool(4).run(_dcp, path, mode, True)[0]
-    for rank, resumed in enumerate(dist_pool(3).run(_dcp, path, mode, False)):
-        for n in SHAPES:
-            assert torch.equal(resumed[n], expected[n]), (rank, n)
+    assert_resumes_bitwise(dist_pool, _dcp, str(tmp_path / "ckpt"), mode, names=SHAPES)
 
 
 # ----------------------------------------------------------------------------- bad input
