@@ -120,9 +120,9 @@ class RootContext:
             if group.requires_gradient_sync and group.has_unreduced_grads and not group._reduce:
                 self.reduce(group)
         for group in [*self.reducing, *groups]:
+            group.reshard()  # parameters first, as in reduce(): then the flat buffer
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
             group.finish_reduce()
-            group.reshard()
             group.arrived = 0
         self.reducing.clear()
         self.backward_active = False
