@@ -184,18 +184,19 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._lazy_init()
         ctx = self.ctx
-        if self.is_root and not in_backward():  # a new forward: forget modules that never ran
+        recompute = in_backward()
+        if self.is_root and not recompute:  # a new forward: forget modules that never ran
             for state in ctx.states:
                 state._yet_to_run.clear()
-        first_to_run = not self._yet_to_run
-        if not in_backward() and first_to_run:
+        first_to_run = not recompute and not self._yet_to_run
+        if first_to_run:
             self._yet_to_run = {id(m) for m in self.modules}
             if not ctx.order_recorded and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
             self.group.use_unsharded_params()
-        if not in_backward() and first_to_run:
+        if first_to_run:
             nxt = ctx.next_after(self, +1)
             if nxt is not None and nxt.group is not None:
                 nxt.group.unshard(async_op=True)
