@@ -14,14 +14,15 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {
-    "FSDPModule": "raggedfsdp.fsdp",
-    "MixedPrecisionPolicy": "raggedfsdp.fsdp",
-    "clip_grad_norm_": "raggedfsdp.fsdp",
-    "fully_shard": "raggedfsdp.fsdp",
-}
-
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "fully_shard"]
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "UnshardHandle",
+    "clip_grad_norm_",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]
+_LAZY = dict.fromkeys(__all__, "raggedfsdp.fsdp")  # every top-level name lives there
 
 
 def __getattr__(name: str) -> Any:

@@ -11,70 +11,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from raggedfsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.sharding import RaggedTensor, row_units
+from tests.fsdp_training import ROWS, max_diff, my_rows, shard_blocks, torchtitan_wrap, train
 from tests.tiny_models import batch, loss_fn, make_model
-
-ROWS = 12  # global batch rows: divisible by every world size tested
-
-
-def _my_rows(x: torch.Tensor) -> torch.Tensor:
-    world, rank = dist.get_world_size(), dist.get_rank()
-    per = x.shape[0] // world
-    return x[rank * per : (rank + 1) * per]
-
-
-def _shard(model: nn.Module, **kwargs) -> nn.Module:
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    return fully_shard(model, **kwargs)
-
-
-def _train(model, opt, steps: int, start: int = 0, sharded: bool = True, clip: float | None = None):
-    losses = []  # with clip: the norm before each step's loss
-    for step in range(start, start + steps):
-        inputs, targets = batch(step % 2, ROWS)  # two batches, alternating: the loss falls
-        if sharded:
-            inputs, targets = _my_rows(inputs), _my_rows(targets)
-        loss = loss_fn(model, inputs, targets)
-        loss.backward()
-        if clip is not None:
-            norm = clip_grad_norm_(model.parameters(), clip)
-            losses.append(norm.item())
-        opt.step()
-        opt.zero_grad()
-        if sharded and dist.is_initialized():
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    return losses
-
-
-def _max_diff(sharded: nn.Module, reference: nn.Module) -> float:
-    diffs = []
-    for (name, p), (ref_name, q) in zip(
-        sharded.named_parameters(), reference.named_parameters(), strict=True
-    ):
-        assert name == ref_name
-        full = p.full_tensor() if isinstance(p, RaggedTensor) else p
-        diffs.append((full.detach().float() - q.detach().float()).abs().max().item())
-    return max(diffs)
 
 
 # ----------------------------------------------------------------------------- parity
 def _parity(steps: int, checkpoint: bool) -> dict:
     world = dist.get_world_size()
     reference = make_model()
-    ours = _shard(make_model(), shard_policy=row_units(1))
+    ours = shard_blocks(make_model(), shard_policy=row_units(1))
     ours.checkpoint = checkpoint
-    ref_losses = _train(
+    ref_losses = train(
         reference,
         torch.optim.AdamW(reference.parameters(), lr=1e-2),
         steps,
         sharded=False,
         clip=1.0,
     )
-    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
+    our_losses = train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
 
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -87,7 +43,7 @@ def _parity(steps: int, checkpoint: bool) -> dict:
     peer_losses = []
     for step in range(steps):
         inputs, targets = batch(step % 2, ROWS)
-        loss = loss_fn(peer, _my_rows(inputs), _my_rows(targets))
+        loss = loss_fn(peer, my_rows(inputs), my_rows(targets))
         loss.backward()
         peer_losses.append(torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0).item())
         peer_opt.step()
@@ -97,7 +53,7 @@ def _parity(steps: int, checkpoint: bool) -> dict:
     peer_params = {n: p.full_tensor() for n, p in peer.named_parameters()}
     ours_params = {n: p.full_tensor() for n, p in ours.named_parameters()}
     return {
-        "vs_reference": _max_diff(ours, reference),
+        "vs_reference": max_diff(ours, reference),
         "loss_vs_reference": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
         "vs_fsdp2": max((ours_params[n] - peer_params[n]).abs().max().item() for n in peer_params),
         "bitwise_fsdp2": all(torch.equal(ours_params[n], peer_params[n]) for n in peer_params),
@@ -125,11 +81,11 @@ def test_activation_checkpointing_gives_the_same_training(pool):
 
 # ----------------------------------------------------------------------------- HSDP
 def _hsdp_vs_fsdp(steps: int) -> float:
-    flat = _shard(make_model())
-    flat_losses = _train(flat, torch.optim.AdamW(flat.parameters(), lr=1e-2), steps)
+    flat = shard_blocks(make_model())
+    flat_losses = train(flat, torch.optim.AdamW(flat.parameters(), lr=1e-2), steps)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    hsdp = _shard(make_model(), mesh=mesh)
-    hsdp_losses = _train(hsdp, torch.optim.AdamW(hsdp.parameters(), lr=1e-2), steps)
+    hsdp = shard_blocks(make_model(), mesh=mesh)
+    hsdp_losses = train(hsdp, torch.optim.AdamW(hsdp.parameters(), lr=1e-2), steps)
     params = {n: p.full_tensor() for n, p in flat.named_parameters()}
     diff = max((p.full_tensor() - params[n]).abs().max().item() for n, p in hsdp.named_parameters())
     return max(diff, max(abs(a - b) for a, b in zip(flat_losses, hsdp_losses, strict=True)))
@@ -143,16 +99,16 @@ def test_hsdp_2x2_matches_1d(pool):
 # ----------------------------------------------------------------------------- mixed precision
 def _mixed_precision(steps: int) -> dict:
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    ours = _shard(make_model(), mp_policy=policy)
+    ours = shard_blocks(make_model(), mp_policy=policy)
     reference = make_model()
-    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
-    ref_losses = _train(
+    our_losses = train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
+    ref_losses = train(
         reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps, sharded=False
     )
     dtypes = {p.dtype for p in ours.parameters()} | {p.grad is None for p in ours.parameters()}
     return {
         "loss_diff": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
-        "param_diff": _max_diff(ours, reference),
+        "param_diff": max_diff(ours, reference),
         "master_dtypes": dtypes,
     }
 
@@ -170,7 +126,7 @@ def _flush_order() -> list[tuple[str, bool]]:
     from raggedfsdp.fsdp.param_group import ParamGroup
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = _torchtitan_wrap(make_model(), partial(fully_shard, mp_policy=mp))
+    model = torchtitan_wrap(make_model(), partial(fully_shard, mp_policy=mp))
     seen, flush = [], ParamGroup.flush_held_grads
 
     def recording(group: ParamGroup) -> None:
@@ -201,9 +157,9 @@ def test_mixed_precision_gradients_are_flattened_after_the_parameters_are_freed(
 
 # ----------------------------------------------------------------------------- accumulation
 def _accumulation() -> float:
-    ours = _shard(make_model())
+    ours = shard_blocks(make_model())
     inputs, targets = batch(0, ROWS)
-    inputs, targets = _my_rows(inputs), _my_rows(targets)
+    inputs, targets = my_rows(inputs), my_rows(targets)
     half = inputs.shape[0] // 2 or 1
     ours.set_requires_gradient_sync(False)
     (loss_fn(ours, inputs[:half], targets[:half]) * 0.5).backward()
@@ -211,7 +167,7 @@ def _accumulation() -> float:
     ours.set_requires_gradient_sync(True)
     (loss_fn(ours, inputs[half:], targets[half:]) * 0.5).backward()
     accumulated = {n: p.grad.full_tensor() for n, p in ours.named_parameters()}
-    whole = _shard(make_model())
+    whole = shard_blocks(make_model())
     loss_fn(whole, inputs, targets).backward()
     assert no_comm, "gradients were reduced while sync was off"
     return max(
@@ -227,7 +183,7 @@ def test_gradient_accumulation_without_sync(pool):
 
 # ----------------------------------------------------------------------------- zero copy
 def _zero_copy() -> dict:
-    model = _shard(make_model())
+    model = shard_blocks(make_model())
     layer = model.layers[0]
     group = layer._raggedfsdp_state.group
     sharded_views = all(
@@ -273,9 +229,9 @@ def test_parameters_and_gradients_are_views_of_the_flat_buffers(pool):
 def _save(path: str, steps: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    model = _shard(make_model())
+    model = shard_blocks(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    _train(model, opt, steps)
+    train(model, opt, steps)
     dcp.save({"model": model.state_dict()}, checkpoint_id=path)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     return full
@@ -284,7 +240,7 @@ def _save(path: str, steps: int) -> dict:
 def _load(path: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    model = _shard(make_model(seed=123))  # different init: everything must come from disk
+    model = shard_blocks(make_model(seed=123))  # different init: everything must come from disk
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path)
     return {n: p.full_tensor() for n, p in model.named_parameters()}
@@ -329,7 +285,7 @@ def test_bad_input_is_refused_with_clear_errors():
 def test_unsharded_params_report_global_shapes_and_gather():
     model = make_model()
     reference = make_model()
-    _shard(model)
+    shard_blocks(model)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert isinstance(p, nn.Parameter) and isinstance(p, RaggedTensor), name
         assert p.shape == q.shape and p.dtype == q.dtype
@@ -344,19 +300,19 @@ def _resume(path: str, save: bool, steps: int) -> list[float]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model = _shard(make_model(seed=0 if save else 7))
+    model = shard_blocks(make_model(seed=0 if save else 7))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if save:
-        _train(model, opt, 2)
+        train(model, opt, 2)
         model_sd, opt_sd = get_state_dict(model, opt)
         dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=path)
     else:
-        _train(model, opt, 1)  # create optimizer state to load into
+        train(model, opt, 1)  # create optimizer state to load into
         model_sd, opt_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": opt_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return _train(model, opt, steps, start=2)
+    return train(model, opt, steps, start=2)
 
 
 def test_resumed_training_continues(dist_pool, tmp_path):
@@ -369,7 +325,7 @@ def test_resumed_training_continues(dist_pool, tmp_path):
 
 
 def _step_inside_backward() -> str:
-    model = _shard(make_model())
+    model = shard_blocks(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loss = loss_fn(model, *batch(0, 2))
     loss.register_hook(lambda g: opt.step())  # runs while backward is in progress
@@ -407,11 +363,11 @@ def _checkpoint_wrapper_parity(steps: int) -> float:
     reference = make_model()
     ours = make_model()
     ours.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in ours.layers)
-    _shard(ours)
-    ref_losses = _train(
+    shard_blocks(ours)
+    ref_losses = train(
         reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), steps, sharded=False
     )
-    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
+    our_losses = train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps)
     return max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True))
 
 
@@ -423,7 +379,7 @@ def test_checkpoint_wrapper_recomputes_with_unsharded_params(pool):
 def _mismatched(kind: str) -> str:
     model = make_model(hidden=40 if dist.get_rank() == 0 or kind != "shape" else 48)
     policy = row_units(2) if dist.get_rank() == 1 and kind == "policy" else None
-    _shard(model, shard_policy=policy)
+    shard_blocks(model, shard_policy=policy)
     try:
         loss_fn(model, *batch(0, 2))
     except RuntimeError as err:
@@ -440,34 +396,22 @@ def test_ranks_with_different_models_fail_before_the_first_collective(pool, kind
 
 
 # ----------------------------------------------------------------------------- torchtitan style
-def _torchtitan_wrap(model: nn.Module, wrap) -> nn.Module:
-    """torchtitan's apply_fsdp: the embedding alone, each block, the final norm and the output
-    projection as one group kept unsharded after forward (backward needs them first), the root."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    wrap(model.embed, mesh=mesh)
-    for layer in model.layers:
-        wrap(layer, mesh=mesh)
-    wrap([model.norm, model.head], mesh=mesh, reshard_after_forward=False)
-    wrap(model, mesh=mesh)
-    return model
-
-
 def _torchtitan_parity(steps: int) -> dict:
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    ours = _torchtitan_wrap(make_model(), fully_shard)
-    peer = _torchtitan_wrap(make_model(), fsdp2_fully_shard)
-    our_losses = _train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
+    ours = torchtitan_wrap(make_model(), fully_shard)
+    peer = torchtitan_wrap(make_model(), fsdp2_fully_shard)
+    our_losses = train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2), steps, clip=1.0)
     peer_opt = torch.optim.AdamW(peer.parameters(), lr=1e-2)
     for step in range(steps):
-        loss_fn(peer, *(_my_rows(t) for t in batch(step % 2, ROWS))).backward()
+        loss_fn(peer, *(my_rows(t) for t in batch(step % 2, ROWS))).backward()
         torch.nn.utils.clip_grad_norm_(peer.parameters(), 1.0)
         peer_opt.step()
         peer_opt.zero_grad()
     group = ours.norm._raggedfsdp_state.group
     assert ours.head._raggedfsdp_state is ours.norm._raggedfsdp_state
     # forward: the [norm, head] group stays gathered for backward, the embedding is freed
-    logits = ours(_my_rows(batch(0, ROWS)[0]))
+    logits = ours(my_rows(batch(0, ROWS)[0]))
     kept, embed_freed = group.is_unsharded, not ours.embed._raggedfsdp_state.group.is_unsharded
     logits.sum().backward()
     ours.zero_grad()
@@ -488,7 +432,7 @@ def _torchtitan_parity(steps: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_torchtitan_wrapping_with_a_list_group_matches_fsdp2(pool, world_size):
+def testtorchtitan_wrapping_with_a_list_group_matches_fsdp2(pool, world_size):
     for res in pool.run(_torchtitan_parity, 4):
         assert res["group_name"] == "[norm, head]"
         assert res["param_names"] == ["0.weight", "1.bias", "1.weight"]
@@ -514,11 +458,11 @@ def test_list_of_modules_bad_input():
 def _eval_leaves_everything_sharded(wrapping: str) -> dict:
     model = make_model()
     if wrapping == "torchtitan":
-        _torchtitan_wrap(model, fully_shard)
+        torchtitan_wrap(model, fully_shard)
     else:
-        _shard(model)
+        shard_blocks(model)
     groups = [m._raggedfsdp_state.group for m in model.modules() if hasattr(m, "_raggedfsdp_state")]
-    inputs = _my_rows(batch(0, ROWS)[0])
+    inputs = my_rows(batch(0, ROWS)[0])
     with torch.no_grad():
         model(inputs)
     after_eval = {g.name: g.is_unsharded for g in set(groups) if g is not None}

@@ -2,8 +2,20 @@
 ``api`` the entry point, ``param_group`` one group's buffers and collectives, ``state`` the hooks,
 ``mixed_precision`` the policy, ``clip`` gradient clipping over shards)."""
 
-from raggedfsdp.fsdp.api import FSDPModule, fully_shard
+from raggedfsdp.fsdp.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from raggedfsdp.fsdp.clip import clip_grad_norm_
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 
-__all__ = ["FSDPModule", "MixedPrecisionPolicy", "clip_grad_norm_", "fully_shard"]
+__all__ = [
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "UnshardHandle",
+    "clip_grad_norm_",
+    "fully_shard",
+    "register_fsdp_forward_method",
+]

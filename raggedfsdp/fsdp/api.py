@@ -15,6 +15,7 @@ the local pieces), and DCP checkpoints them without gathering.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,10 +26,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
-from raggedfsdp.fsdp.state import FSDPState, backward_in_progress, in_backward
+from raggedfsdp.fsdp.state import FSDPState, in_backward, unfinished_backward
 from raggedfsdp.sharding import RaggedTensor, ShardPolicy, element_units
 
-__all__ = ["FSDPModule", "fully_shard"]
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
 _STATE = "_raggedfsdp_state"
 
@@ -39,20 +40,32 @@ class FSDPModule:
     def _fsdp_state(self) -> FSDPState:
         return getattr(self, _STATE)
 
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather this module's group now (e.g. to inspect or time it); ``async_op=True``
-        only starts it, the next forward (or ``unshard()``) waits."""
-        group = self._fsdp_state().group
-        if group is not None:
-            group.unshard(async_op=async_op)
-            if not async_op:
-                group.use_unsharded_params()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's group now (e.g. to inspect or time it). ``async_op=True``
+        only starts it and returns a handle whose ``wait()`` finishes it; otherwise the next
+        forward does."""
+        handle = UnshardHandle(self._fsdp_state().group)
+        if handle._group is not None:
+            handle._group.unshard(async_op=True)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and point it back at the sharded ones."""
         group = self._fsdp_state().group
         if group is not None:
             group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover from an error that aborted backward (e.g. a caught out-of-memory error): wait
+        for its collectives, discard its unreduced gradients and reshard every group, so the
+        next step starts clean. The next forward of the root does this by itself (with a
+        warning); call it on the root module to step an optimizer before that."""
+        ctx = self._fsdp_state().ctx
+        if ctx is not None:
+            ctx.reset()
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, recurse: bool = True
@@ -64,12 +77,117 @@ class FSDPModule:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``fully_shard``'s ``reshard_after_forward`` at run time (e.g. ``False`` for
+        evaluation loops that run several forwards)."""
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """``False``: keep the unsharded parameters after backward, so the next forward needs no
+        all-gather (gradient accumulation: more memory, less communication). Outside forward and
+        backward the module still shows its sharded parameters, and kept ones are gathered again
+        if the sharded parameters changed (an optimizer step), so they are never stale."""
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters each backward's gradients but keeps the partial sums
+        instead of all-reducing them over the replicas; the next backward with ``True`` adds
+        them in and all-reduces once (accumulation with less inter-node traffic). The sharded
+        ``.grad`` is set only then. No effect on a 1-D mesh."""
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` instead of averaging over the data-parallel ranks
+        (e.g. ``1.0`` when the loss is already normalised by the global token count). Each
+        gradient is scaled by ``1 / factor`` in the reduce dtype as it lands in the flat buffer
+        and the ranks' buffers are summed, as FSDP2 does with NCCL's PreMulSum. Not recursive,
+        as FSDP2's."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(
+                f"set_gradient_divide_factor(factor={factor!r}): expected a positive number "
+                "(e.g. 1.0 to sum the ranks' gradients)"
+            )
+        group = self._fsdp_state().group
+        if group is not None:
+            group.gradient_divide_factor = float(factor)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: backward does not all-gather this module's parameters, for modules whose
+        backward needs none of them (an embedding: its weight gradient needs only the token ids
+        and the output gradient). Saves one all-gather of the group per step. If a backward
+        does need them, autograd fails reading freed storage; it never reads stale values."""
+        self._fsdp_state().unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gathers to start (asynchronously) when this module's forward begins, replacing
+        the default of the next module in the last forward's order. Two or more overlap more
+        and hold more unsharded memory."""
+        self._fsdp_state().forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        """All-gathers to start when this module's backward begins, replacing the default of
+        the module before it in the last forward's order."""
+        self._fsdp_state().backward_prefetch = _states_of(
+            modules, "set_modules_to_backward_prefetch"
+        )
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         modules = self.modules() if recurse else [self]
         return list(dict.fromkeys(getattr(m, _STATE) for m in modules if hasattr(m, _STATE)))
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather and points the
+    module at the unsharded parameters (the module's next forward would do it otherwise)."""
+
+    def __init__(self, group: ParamGroup | None) -> None:
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.unshard()
+            self._group.use_unsharded_params()
+            self._group = None
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) gather and reshard like ``forward``:
+    FSDP's hooks only see ``forward``, so another entry point would find sharded parameters.
+    A module that is not ``fully_shard``-ed is left alone, so the same code runs without FSDP
+    (as FSDP2's function of the same name)."""
+    if not isinstance(module, FSDPModule):
+        return
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} has no method "
+            f"{method_name!r}; pass the name of one of its methods"
+        )
+    state = module._fsdp_state()
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        return state._post_forward(module, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped)
+
+
+def _states_of(modules: list[nn.Module], method: str) -> list[FSDPState]:
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(
+                f"{method}(modules=...): {type(m).__name__} is not fully_shard-ed; pass modules "
+                "that fully_shard wrapped (e.g. the other transformer blocks)"
+            )
+    return [m._fsdp_state() for m in modules]
 
 
 _CLASSES: dict[type, type] = {}
@@ -196,11 +314,20 @@ def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:
 
 
 def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    sharded = any(isinstance(p, RaggedTensor) for g in optimizer.param_groups for p in g["params"])
-    if sharded and (backward_in_progress() or in_backward()):
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    if not any(isinstance(p, RaggedTensor) for g in optimizer.param_groups for p in g["params"]):
+        return
+    name = type(optimizer).__name__
+    if in_backward():
         raise RuntimeError(
-            f"{type(optimizer).__name__}.step() was called before backward finished reducing "
-            "gradients; call it after loss.backward() returns"
+            f"{name}.step() was called before backward finished reducing gradients; call it "
+            "after loss.backward() returns"
+        )
+    if unfinished_backward(params) is not None:
+        raise RuntimeError(
+            f"{name}.step(): the last backward through these parameters raised before it "
+            "finished reducing gradients, so their .grad is incomplete. Call reset_iter_state() "
+            "on the root module (or run the next forward, which does it) and redo the backward"
         )
 
 

@@ -118,7 +118,14 @@ class ParamGroup:
         self.arrived = 0  # gradients accumulated during the current backward
         self.num_trainable = sum(mp.requires_grad for mp in params)
         self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
+        self._gathered_version = -1  # _master_version() when the last gather started
+        self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced
+        self._partial_received: set[int] = set()
+        # FSDP2's per-group settings (``FSDPModule.set_*``)
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.reshard_after_backward = True
+        self.gradient_divide_factor: float | None = None
         self.use_sharded_params()
 
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
@@ -143,7 +150,13 @@ class ParamGroup:
 
     # ----------------------------------------------------------------------------- all-gather
     def unshard(self, async_op: bool = False) -> None:
-        """Start (or finish) the all-gather of the parameters into the compute buffer."""
+        """Start (or finish) the all-gather of the parameters into the compute buffer.
+
+        Unsharded parameters kept from before (``reshard_after_backward=False``, a manual
+        ``unshard()``) are gathered again if the sharded ones changed since (an optimizer step,
+        a checkpoint load)."""
+        if self.is_unsharded and self._master_version() != self._gathered_version:
+            self.reshard()
         if self.is_unsharded or self._gather is not None:
             if not async_op:
                 self.wait_for_unshard()
@@ -153,6 +166,7 @@ class ParamGroup:
                 self.compute.shard.copy_(self.master.shard)  # cast fp32 -> param_dtype (1/W)
             full = self.compute.alloc_full()
             self._version = full._version
+            self._gathered_version = self._master_version()
             with self._failing_as("all-gather"):
                 self._gather = all_gather_flat(
                     full,
@@ -163,6 +177,12 @@ class ParamGroup:
                 )
         if not async_op:
             self.wait_for_unshard()
+
+    def _master_version(self) -> int:
+        """Grows with every in-place write to the sharded parameters: through the parameters
+        (an optimizer step; RaggedTensor's dispatch writes the local pieces below autograd, so
+        only the parameter's own version counter moves) or straight into the master segment."""
+        return self.master.shard._version + sum(mp.sharded._version for mp in self.params)
 
     def wait_for_unshard(self) -> None:
         if self._gather is not None:
@@ -178,13 +198,14 @@ class ParamGroup:
         # the work completes) so autograd's in-place check stays quiet, as FSDP2 does.
         torch._C._autograd._unsafe_set_version_counter((self.compute.full,), (self._version,))
 
-    def reshard(self) -> None:
-        """Point the modules back at the sharded parameters and free the unsharded memory."""
+    def reshard(self, free: bool = True) -> None:
+        """Point the modules back at the sharded parameters and free the unsharded memory
+        (``free=False`` keeps it for the next forward: ``reshard_after_backward=False``)."""
         if self._gather is not None:  # a prefetch that was never used: its buffer goes too
             self._wait_gather()
             self.is_unsharded = True
         self.use_sharded_params()
-        if self.is_unsharded:
+        if self.is_unsharded and free:
             self.compute.free_full()
             self.is_unsharded = False
 
@@ -225,19 +246,48 @@ class ParamGroup:
             self.grads.zero_full_padding()
             self._received.clear()
         view = self.grads.full_view(self.params[index].fqn)
+        # A custom divide factor scales each gradient before the sum (NCCL's PreMulSum, as
+        # FSDP2 does), in the reduce dtype, as it lands in the buffer: no extra pass.
+        scale = None if self.gradient_divide_factor is None else 1 / self.gradient_divide_factor
         with torch.no_grad():
             if index in self._received:  # accumulation without sync across micro-batches
-                view.add_(grad)
+                view.add_(grad, alpha=1 if scale is None else scale)
             else:
                 view.copy_(grad)
+                if scale is not None:
+                    view.mul_(scale)
                 self._received.add(index)
+
+    def discard_grads(self) -> None:
+        """Drop an aborted backward's gradients: held ones, the flat buffer (after its in-flight
+        reduce-scatter, which may still read it), HSDP partial sums, and the sharded ``.grad``
+        too: groups reduced before the error added this backward into it and the others did
+        not, so what was accumulated there is no longer one consistent sum."""
+        if self._reduce is not None:
+            handle, self._reduce = self._reduce[0], None
+            with self._failing_as("reduce-scatter"):
+                handle.wait()
+        for mp in self.params:
+            mp.unsharded.grad = mp.sharded.grad = None
+        self._held.clear()
+        self._received.clear()
+        self._partial = None
+        self.arrived = 0
+        if self.grads.is_full_allocated:
+            self.grads.free_full()
 
     @property
     def has_unreduced_grads(self) -> bool:
         return self.grads.is_full_allocated or bool(self._held)
 
+    @property
+    def _reduce_op(self) -> str:
+        """Averaged over the data-parallel ranks, or summed after each gradient was scaled by
+        ``1 / gradient_divide_factor``."""
+        return "avg" if self.gradient_divide_factor is None else "sum"
+
     def reduce_grads(self) -> None:
-        """Reduce-scatter the flat gradient buffer (in place, averaged) into a fresh segment;
+        """Reduce-scatter the flat gradient buffer (in place) into a fresh segment;
         asynchronous, finished by ``finish_reduce``."""
         self.flush_held_grads()
         with torch.no_grad():
@@ -250,7 +300,7 @@ class ParamGroup:
                     out,
                     self.grads.full,
                     self.mesh.shard_group,
-                    op="avg",
+                    op=self._reduce_op,
                     async_op=True,
                     comm_stream=self._comm_streams()[1],
                     scratch_input=True,  # freed right after: gloo may reduce it in place
@@ -263,19 +313,28 @@ class ParamGroup:
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter, free the full gradient buffer and set the sharded
         ``.grad`` of each parameter: a view of the reduced segment (cast to the parameters'
-        dtype if the reduction ran in another), or added to a ``.grad`` kept from before."""
+        dtype if the reduction ran in another), or added to a ``.grad`` kept from before.
+        HSDP without ``requires_all_reduce`` keeps the reduce-scattered sum instead; the next
+        reduction with it adds that in before its replicate all-reduce."""
         if self._reduce is None:
             return
         handle, out = self._reduce
         self._reduce = None
         with self._failing_as("reduce-scatter"):
             handle.wait()
-        if self.mesh.is_hsdp:
-            with self._failing_as("replicate all-reduce"):
-                all_reduce_flat(out, self.mesh.replicate_group, op="avg")
         self.grads.free_full()
         received = set(self._received)
         self._received.clear()
+        if self.mesh.is_hsdp:
+            if self._partial is not None:  # reduce-scattered earlier without the all-reduce
+                out.add_(self._partial)
+                received |= self._partial_received
+                self._partial = None
+            if not self.requires_all_reduce:
+                self._partial, self._partial_received = out, received
+                return
+            with self._failing_as("replicate all-reduce"):
+                all_reduce_flat(out, self.mesh.replicate_group, op=self._reduce_op)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         rank, group = self.mesh.shard_rank, self.mesh.shard_group

@@ -5,10 +5,12 @@ whose forward runs becomes the *root*, collects every state below it into a ``Ro
 from then on:
 
 * pre-forward: finish (or start) the group's all-gather, point the module at the unsharded
-  parameters, and start prefetching the next group in the recorded forward order;
+  parameters, and start prefetching the next group in the recorded forward order (or the
+  modules ``set_modules_to_forward_prefetch`` named);
 * post-forward: reshard (unless asked not to, or the root, whose backward comes first; under
   ``torch.no_grad`` always, no backward will come) and hook the outputs so the group is gathered
-  again, and the one before it prefetched, when their gradients arrive;
+  again (unless ``set_unshard_in_backward(False)``), and the one before it (or those
+  ``set_modules_to_backward_prefetch`` named) prefetched, when their gradients arrive;
 * backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
   has them all, its parameters are freed, the gradients go into the flat gradient buffer and
   its reduce-scatter starts asynchronously;
@@ -17,11 +19,14 @@ from then on:
   reshard everything.
 
 Recomputation under activation checkpointing runs forward hooks inside backward; they then only
-make sure the parameters are unsharded and never reshard.
+make sure the parameters are unsharded and never reshard. A backward aborted by an error never
+reaches its end-of-backward callback; the root's next forward (or ``reset_iter_state()``)
+discards what it left behind.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +40,7 @@ from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
 
-__all__ = ["FSDPState", "RootContext", "backward_in_progress", "in_backward"]
+__all__ = ["FSDPState", "RootContext", "in_backward", "unfinished_backward"]
 
 _LIVE_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
 
@@ -45,9 +50,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def backward_in_progress() -> bool:
-    """True while some root's backward has not finished reducing gradients."""
-    return any(ctx.backward_active for ctx in _LIVE_CONTEXTS)
+def unfinished_backward(params: set[int]) -> RootContext | None:
+    """The context, among those owning a parameter whose ``id`` is in ``params``, whose backward
+    started and has not finished reducing gradients (still running, or aborted by an error)."""
+    for ctx in _LIVE_CONTEXTS:
+        if ctx.backward_active and any(
+            id(mp.sharded) in params for s in ctx.states if s.group for mp in s.group.params
+        ):
+            return ctx
+    return None
 
 
 class RootContext:
@@ -100,7 +111,8 @@ class RootContext:
         full gradient buffers never pile up. gloo only progresses (and reports completion of)
         async work when it is waited on, so on CPU it is finished right away, which frees the
         buffers (and gloo's internal copy of the input) at once."""
-        group.reshard()  # every gradient is in: free the parameters before the flat buffer
+        # every gradient is in: free the parameters before the flat buffer is filled
+        group.reshard(free=group.reshard_after_backward)
         group.reduce_grads()
         self.reducing.append(group)
         in_flight = 1 if group.device.type == "cuda" else 0
@@ -114,13 +126,24 @@ class RootContext:
             group.finish_reduce()
             self.reducing.remove(group)
 
+    def reset(self) -> None:
+        """Forget a backward that an error aborted (its end-of-backward callback never ran):
+        wait for its collectives, drop its partial gradients and reshard every group."""
+        for state in self.states:
+            if state.group is not None:
+                state.group.discard_grads()
+                state.group.reshard()
+        self.reducing.clear()
+        self.backward_active = False
+
     def _finish_backward(self) -> None:
         groups = [s.group for s in self.states if s.group is not None]
         for group in groups:  # groups with unused parameters never completed: zeros for those
             if group.requires_gradient_sync and group.has_unreduced_grads and not group._reduce:
                 self.reduce(group)
         for group in [*self.reducing, *groups]:
-            group.reshard()  # parameters first, as in reduce(): then the flat buffer
+            # parameters first, as in reduce(): then the flat buffer
+            group.reshard(free=group.reshard_after_backward)
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
             group.finish_reduce()
             group.arrived = 0
@@ -141,11 +164,17 @@ class FSDPState:
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.module_refs = [weakref.ref(m) for m in modules]
+        self.class_names = [type(m).__name__ for m in modules]  # before fully_shard swaps them
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.mp_policy = mp_policy
         self.ctx: RootContext | None = None
         self.is_root = False
+        # FSDP2's explicit prefetch lists (None: the next group in the recorded order) and
+        # ``set_unshard_in_backward``
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.unshard_in_backward = True
         self._yet_to_run: set[int] = set()  # ids of this forward's modules that have not run
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -164,10 +193,10 @@ class FSDPState:
         if self.ctx is not None:
             return
         paths: dict[FSDPState, list[str]] = {}  # every state below the root, in module order
-        for root in self.modules:
+        for root, class_name in zip(self.modules, self.class_names, strict=True):
             for path, module in root.named_modules():
                 if hasattr(module, "_raggedfsdp_state"):
-                    name = path or f"root ({type(root).__name__})"
+                    name = path or f"root ({class_name})"
                     paths.setdefault(module._raggedfsdp_state, []).append(name)
         states = list(paths)
         for state, names in paths.items():
@@ -188,6 +217,13 @@ class FSDPState:
         if self.is_root and not recompute:  # a new forward: forget modules that never ran
             for state in ctx.states:
                 state._yet_to_run.clear()
+            if ctx.backward_active:
+                warnings.warn(
+                    "the previous backward through this model raised before it finished "
+                    "reducing gradients; its partial gradients are discarded",
+                    stacklevel=3,
+                )
+                ctx.reset()
         first_to_run = not recompute and not self._yet_to_run
         if first_to_run:
             self._yet_to_run = {id(m) for m in self.modules}
@@ -197,9 +233,8 @@ class FSDPState:
             self.group.unshard()
             self.group.use_unsharded_params()
         if first_to_run:
-            nxt = ctx.next_after(self, +1)
-            if nxt is not None and nxt.group is not None:
-                nxt.group.unshard(async_op=True)
+            default = [ctx.next_after(self, +1)]
+            _prefetch(default if self.forward_prefetch is None else self.forward_prefetch)
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -230,14 +265,14 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         ctx.start_backward()
-        if self.group is not None:
+        if self.group is not None and self.unshard_in_backward:
             self.group.unshard()
             # recomputation (activation checkpointing) may run forward code that does not
             # pass through this module's hooks (e.g. a checkpointed inner forward)
             self.group.use_unsharded_params()
-        prev = ctx.next_in_backward(self)
-        if prev is not None and prev.group is not None:
-            prev.group.unshard(async_op=True)
+        default = [ctx.next_in_backward(self)]
+        targets = default if self.backward_prefetch is None else self.backward_prefetch
+        _prefetch([s for s in targets if s is not None and s.unshard_in_backward])
 
     def _grad_hook(self, index: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
@@ -249,6 +284,13 @@ class FSDPState:
                 self.ctx.reduce(group)
 
         return hook
+
+
+def _prefetch(states: list[FSDPState | None]) -> None:
+    """Start the all-gathers of ``states``' groups (already gathered ones are skipped)."""
+    for state in states:
+        if state is not None and state.group is not None:
+            state.group.unshard(async_op=True)
 
 
 def _check_ranks_agree(states: list[FSDPState]) -> None:

@@ -1,0 +1,437 @@
+"""FSDP2's run-time controls on fully_shard-ed modules: explicit prefetch lists, skipping the
+backward all-gather, keeping parameters after backward, HSDP accumulation without the
+all-reduce, a custom gradient divide factor, extra forward methods and async unshard handles.
+Each is checked against FSDP2 (same settings) or a one-process reference, and by counting the
+collectives it is meant to save."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import raggedfsdp.fsdp.param_group as param_group_module
+from raggedfsdp import fully_shard, register_fsdp_forward_method
+from raggedfsdp.sharding import RaggedTensor
+from tests.fsdp_training import ROWS, my_rows, shard_blocks, torchtitan_wrap
+from tests.tiny_models import batch, loss_fn, make_model
+
+
+@contextmanager
+def counting(collective: str) -> Iterator[Counter]:
+    """Count ``collective`` calls (e.g. ``all_gather_flat``) per group name."""
+    calls: Counter = Counter()
+    original = getattr(param_group_module, collective)
+    names = {}
+
+    def counted(*args, **kwargs):
+        calls[names.get(id(args[0]), "?")] += 1
+        return original(*args, **kwargs)
+
+    def name_buffers(model: nn.Module) -> None:
+        for m in model.modules():
+            group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
+            if group is not None:
+                names[id(group.compute.full)] = group.name
+                names[id(group.grads.full)] = group.name
+
+    calls.name_buffers = name_buffers
+    setattr(param_group_module, collective, counted)
+    try:
+        yield calls
+    finally:
+        setattr(param_group_module, collective, original)
+
+
+def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs, targets = batch(step, ROWS)
+    return my_rows(inputs), my_rows(targets)
+
+
+def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+# ----------------------------------------------------------------------------- prefetch lists
+def _set_two_ahead(model: nn.Module) -> None:
+    """FSDP2's example: each block prefetches the next two in forward, previous two in backward."""
+    layers = list(model.layers)
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
+        layer.set_modules_to_backward_prefetch(layers[max(0, i - 2) : i][::-1])
+
+
+def _explicit_prefetch(steps: int) -> dict:
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    from raggedfsdp.fsdp.param_group import ParamGroup
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours = shard_blocks(make_model(layers=4), mesh=mesh)
+    peer = shard_blocks(make_model(layers=4), wrap=fsdp2_fully_shard, mesh=mesh)
+    for model in (ours, peer):
+        _set_two_ahead(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, peer)]
+    started, unshard = [], ParamGroup.unshard
+
+    def recording(group: ParamGroup, async_op: bool = False) -> None:
+        if group._gather is None and not group.is_unsharded:
+            started.append(group.name)
+        unshard(group, async_op=async_op)
+
+    for step in range(steps):
+        for model, opt in zip((ours, peer), opts, strict=True):
+            ParamGroup.unshard = recording if (model is ours and step == steps - 1) else unshard
+            try:
+                loss_fn(model, *_rows(step % 2)).backward()
+            finally:
+                ParamGroup.unshard = unshard
+            opt.step()
+            opt.zero_grad()
+    ours_params, peer_params = _full_params(ours), _full_params(peer)
+    return {
+        "gathers_started": started,
+        "vs_fsdp2": _max_abs_diff(ours_params, peer_params),
+        "bitwise_fsdp2": all(torch.equal(ours_params[n], peer_params[n]) for n in peer_params),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_explicit_prefetch_lists_gather_in_the_order_asked_and_match_fsdp2(pool, world_size):
+    for res in pool.run(_explicit_prefetch, 3):
+        # forward: the root prefetches layers.0 (default); layers.0 asks for 1 and 2 together,
+        # layers.1 for 2 (started already) and 3; backward: layers.3 for 2 and 1
+        assert res["gathers_started"] == [
+            "root (TinyTransformer)",
+            "layers.0",
+            "layers.1",
+            "layers.2",
+            "layers.3",
+            "layers.3",
+            "layers.2",
+            "layers.1",
+            "layers.0",
+        ], res
+        assert res["vs_fsdp2"] < 1e-6, res
+        if world_size == 2:
+            assert res["bitwise_fsdp2"], res
+
+
+def test_prefetch_lists_must_name_wrapped_modules():
+    model = shard_blocks(make_model())
+    with pytest.raises(ValueError, match=r"set_modules_to_forward_prefetch\(modules=...\): Linear"):
+        model.layers[0].set_modules_to_forward_prefetch([model.layers[1].w1])
+    with pytest.raises(ValueError, match="set_modules_to_backward_prefetch"):
+        model.layers[1].set_modules_to_backward_prefetch([model.layers[0], model.head])
+    assert model.layers[1]._raggedfsdp_state.backward_prefetch is None  # nothing was set
+
+
+# ----------------------------------------------------------------------------- unshard in backward
+def _embedding_not_gathered_in_backward(steps: int) -> dict:
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    ours = torchtitan_wrap(make_model(), fully_shard)
+    peer = torchtitan_wrap(make_model(), fsdp2_fully_shard)
+    default = torchtitan_wrap(make_model(), fully_shard)
+    ours.embed.set_unshard_in_backward(False)
+    peer.embed.set_unshard_in_backward(False)
+    models = (ours, peer, default)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    gathers = {}
+    for step in range(steps):
+        for name, model, opt in zip(("ours", "peer", "default"), models, opts, strict=True):
+            with counting("all_gather_flat") as calls:
+                calls.name_buffers(model)
+                loss_fn(model, *_rows(step % 2)).backward()
+            gathers[name] = dict(calls)
+            opt.step()
+            opt.zero_grad()
+    params = {
+        name: _full_params(m) for name, m in zip(("ours", "peer", "default"), models, strict=True)
+    }
+    return {
+        "embed_gathers": gathers["ours"]["embed"],
+        "embed_gathers_default": gathers["default"]["embed"],
+        "bitwise_default": all(
+            torch.equal(params["ours"][n], t) for n, t in params["default"].items()
+        ),
+        "vs_fsdp2": _max_abs_diff(params["ours"], params["peer"]),
+    }
+
+
+def _needed_in_backward_fails_loudly_and_recovers() -> dict:
+    model, fresh = shard_blocks(make_model()), shard_blocks(make_model())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, fresh)]
+    model.layers[1].set_unshard_in_backward(False)  # wrong: its matmuls need the weights
+    result = {}
+    for what, action in (
+        ("backward", lambda: loss_fn(model, *_rows(0)).backward()),
+        ("step", opts[0].step),  # the aborted backward left incomplete gradients
+    ):
+        try:
+            action()
+            result[what] = "no error"
+        except RuntimeError as err:
+            result[what] = str(err)
+    model.layers[1].set_unshard_in_backward(True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = loss_fn(model, *_rows(0))  # the next forward discards the aborted backward
+    result["warned"] = any("partial gradients are discarded" in str(w.message) for w in caught)
+    loss.backward()
+    loss_fn(fresh, *_rows(0)).backward()
+    for opt in opts:
+        opt.step()
+    result["recovered_bitwise"] = all(
+        torch.equal(a, b)
+        for a, b in zip(_full_params(model).values(), _full_params(fresh).values(), strict=True)
+    )
+    return result
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unshard_in_backward_false_skips_the_embedding_gather(pool, world_size):
+    for res in pool.run(_embedding_not_gathered_in_backward, 3):
+        assert (res["embed_gathers"], res["embed_gathers_default"]) == (1, 2), res
+        assert res["bitwise_default"], res  # the embedding's backward never read its weight
+        assert res["vs_fsdp2"] < 1e-6, res
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_unshard_in_backward_false_where_backward_needs_the_weights_fails_loudly(pool):
+    """Freed storage, never stale values; then the optimizer refuses the incomplete gradients
+    and the next forward recovers (FSDP2 needs ``reset_iter_state()`` for that)."""
+    for res in pool.run(_needed_in_backward_fails_loudly_and_recovers):
+        assert "storage of size 0" in res["backward"], res
+        assert "raised before it finished reducing gradients" in res["step"], res
+        assert res["warned"] and res["recovered_bitwise"], res
+
+
+# ----------------------------------------------------------------------------- reshard after bwd
+def _kept_after_backward() -> dict:
+    """Two micro-batches without sync and with the parameters kept, then a synced one: the
+    kept forwards need no all-gather; an optimizer step makes the kept copies stale, so the
+    next forward gathers again and sees the updated parameters."""
+    kept, plain = shard_blocks(make_model()), shard_blocks(make_model())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (kept, plain)]
+    inputs, targets = _rows(0)
+    half = inputs.shape[0] // 2
+    micro = [(inputs[:half], targets[:half]), (inputs[half:], targets[half:])]
+    gathers_per_microbatch = []
+    for model in (kept, plain):
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            model.set_requires_gradient_sync(last)
+            if model is kept:  # FSDP2's accumulation recipe: keep everything until the last
+                model.set_reshard_after_forward(False)
+                model.set_reshard_after_backward(last)
+            with counting("all_gather_flat") as calls:
+                (loss_fn(model, x, y) / len(micro)).backward()
+            if model is kept:
+                gathers_per_microbatch.append(sum(calls.values()))
+            if model is kept and i == 0:
+                sharded_between = all(isinstance(p, RaggedTensor) for p in model.parameters())
+    bitwise_grads = all(
+        torch.equal(a, b)
+        for a, b in zip(_full_grads(kept).values(), _full_grads(plain).values(), strict=True)
+    )
+    # stale kept parameters: keep after this backward, step, then forward must re-gather
+    kept.set_reshard_after_forward(True)
+    kept.set_reshard_after_backward(False)
+    loss_fn(kept, *_rows(1)).backward()
+    loss_fn(plain, *_rows(1)).backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        after_step = kept(inputs), plain(inputs)
+    return {
+        "gathers_per_microbatch": gathers_per_microbatch,
+        "sharded_between_backward_and_forward": sharded_between,
+        "bitwise_grads": bitwise_grads,
+        "forward_after_step_bitwise": torch.equal(*after_step),
+        "all_freed_after_eval": all(
+            not m._raggedfsdp_state.group.is_unsharded for m in [*kept.layers, kept]
+        ),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reshard_after_backward_false_saves_the_next_gather_and_never_goes_stale(pool, world_size):
+    for res in pool.run(_kept_after_backward):
+        # micro-batch 1: one gather per group (3 blocks and the root); micro-batch 2: none
+        assert res["gathers_per_microbatch"] == [4, 0], res
+        assert res["sharded_between_backward_and_forward"], res
+        assert res["bitwise_grads"], res
+        assert res["forward_after_step_bitwise"], res
+        assert res["all_freed_after_eval"], res
+
+
+# ----------------------------------------------------------------------------- HSDP all-reduce
+def _hsdp_accumulation() -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    partial, synced = shard_blocks(make_model(), mesh=mesh), shard_blocks(make_model(), mesh=mesh)
+    inputs, targets = _rows(0)
+    half = inputs.shape[0] // 2
+    micro = [(inputs[:half], targets[:half]), (inputs[half:], targets[half:])]
+    all_reduces = []
+    for i, (x, y) in enumerate(micro):
+        partial.set_requires_all_reduce(i == len(micro) - 1)
+        with counting("all_reduce_flat") as calls:
+            (loss_fn(partial, x, y) / 2).backward()
+        all_reduces.append(sum(calls.values()))
+        if i == 0:
+            no_grads_yet = all(p.grad is None for p in partial.parameters())
+        (loss_fn(synced, x, y) / 2).backward()
+    return {
+        "all_reduces": all_reduces,
+        "no_grads_before_the_all_reduce": no_grads_yet,
+        "vs_synced": _max_abs_diff(_full_grads(partial), _full_grads(synced)),
+    }
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hsdp_accumulation_with_one_all_reduce(pool):
+    for res in pool.run(_hsdp_accumulation):
+        assert res["all_reduces"] == [0, 4], res  # one per group, on the last micro-batch only
+        assert res["no_grads_before_the_all_reduce"], res
+        assert res["vs_synced"] < 1e-6, res
+
+
+# ----------------------------------------------------------------------------- divide factor
+def _divide_factor(mesh_shape: tuple[int, ...]) -> dict:
+    mesh = init_device_mesh("cpu", mesh_shape)
+    summed, averaged = shard_blocks(make_model(), mesh=mesh), shard_blocks(make_model(), mesh=mesh)
+    for m in [*summed.layers, summed]:
+        m.set_gradient_divide_factor(1.0)
+    reference = make_model()
+    for model in (summed, averaged):
+        loss_fn(model, *_rows(0)).backward()
+    loss_fn(reference, *batch(0, ROWS)).backward()
+    world = dist.get_world_size()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+    return {
+        "summed_vs_world_times_reference": _max_abs_diff(
+            _full_grads(summed), {n: world * g for n, g in ref_grads.items()}
+        ),
+        "averaged_vs_reference": _max_abs_diff(_full_grads(averaged), ref_grads),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_gradient_divide_factor_one_sums_the_ranks_gradients(pool, world_size):
+    shapes = [(world_size,)] + ([(2, 2)] if world_size == 4 else [])  # and HSDP
+    for shape in shapes:
+        for res in pool.run(_divide_factor, shape):
+            assert res["summed_vs_world_times_reference"] < 1e-5 * world_size, (shape, res)
+            assert res["averaged_vs_reference"] < 1e-5, (shape, res)
+
+
+def test_gradient_divide_factor_bad_input():
+    model = shard_blocks(make_model())
+    for bad in (0, -2.0, "4", True, float("nan")):
+        with pytest.raises(ValueError, match=r"set_gradient_divide_factor\(factor="):
+            model.set_gradient_divide_factor(bad)
+    assert model._raggedfsdp_state.group.gradient_divide_factor is None
+
+
+# ----------------------------------------------------------------------------- forward methods
+class _WithScore(nn.Module):
+    """A model with a second entry point that uses the root's own parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = make_model()
+        self.scale = nn.Parameter(torch.tensor([0.5, 2.0]))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens) * self.scale[0]
+
+    def score(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.inner(tokens).logsumexp(-1) * self.scale[1]
+
+
+def _forward_method() -> dict:
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+    from torch.distributed.fsdp import register_fsdp_forward_method as fsdp2_register
+
+    results = {}
+    for name, wrap, register in (
+        ("ours", fully_shard, register_fsdp_forward_method),
+        ("fsdp2", fsdp2_fully_shard, fsdp2_register),
+    ):
+        torch.manual_seed(0)
+        model = _WithScore()
+        shard_blocks(model.inner, wrap=wrap)
+        wrap(model)
+        register(model, "score")
+        scores = model.score(_rows(0)[0])
+        scores.sum().backward()
+        results[name] = (scores.detach(), _full_grads(model), model)
+    register_fsdp_forward_method(nn.Linear(2, 2), "forward")  # not wrapped: left alone
+    try:
+        register_fsdp_forward_method(results["ours"][2], "no_such_method")
+        refused = False
+    except ValueError:
+        refused = True
+    return {
+        "scores_bitwise": torch.equal(results["ours"][0], results["fsdp2"][0]),
+        "grads_vs_fsdp2": _max_abs_diff(results["ours"][1], results["fsdp2"][1]),
+        "unknown_method_refused": refused,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_register_fsdp_forward_method_matches_fsdp2(pool):
+    for res in pool.run(_forward_method):
+        assert res["scores_bitwise"] and res["unknown_method_refused"], res
+        assert res["grads_vs_fsdp2"] < 1e-6, res
+
+
+# ----------------------------------------------------------------------------- unshard handle
+def _async_unshard_handle() -> dict:
+    model = shard_blocks(make_model())
+    layer = model.layers[0]
+    expected = _full_params(layer)
+    handle = layer.unshard(async_op=True)
+    handle.wait()
+    unsharded = dict(layer.named_parameters())
+    result = {
+        "unsharded_values": all(torch.equal(unsharded[n], t) for n, t in expected.items()),
+        "plain_tensors": not any(isinstance(p, RaggedTensor) for p in unsharded.values()),
+        "sync_returns_none": model.layers[1].unshard() is None,
+    }
+    sharded = list(model.layers[0]._raggedfsdp_state.group.params)
+    with torch.no_grad():  # change the sharded parameters while the unsharded ones are kept
+        for mp in sharded:
+            mp.sharded.mul_(2)
+    layer.unshard()  # must gather again, not hand out the kept (now stale) values
+    result["regathered_after_change"] = all(
+        torch.equal(p, 2 * expected[n]) for n, p in layer.named_parameters()
+    )
+    layer.reshard()
+    model.layers[1].reshard()
+    result["resharded"] = all(isinstance(p, RaggedTensor) for p in model.parameters())
+    return result
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_unshard_async_returns_a_handle(pool):
+    for res in pool.run(_async_unshard_handle):
+        assert all(res.values()), res
