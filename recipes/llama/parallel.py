@@ -123,7 +123,7 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     Built on the meta device, then each block is allocated, initialised and wrapped in turn (one
     communication group per block), so no process ever holds more than one unsharded block
     beyond its shards and a 70B model starts like a tiny one. Then the embedding alone (freed
-    after forward) and the final norm with the output projection as one group kept unsharded
+    after forward and not gathered again for backward, which does not read it) and the final norm with the output projection as one group kept unsharded
     after forward (backward needs them first), so the root does not hold them, nor the output's
     gradient, through the whole backward; tied embeddings stay in the root's group.
 
@@ -138,7 +138,8 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
         wrap(block)
     model.materialize_root(env.device, cfg.seed)
     if not cfg.model.tie_embeddings:
-        wrap(model.tok_embeddings)
+        # an embedding's backward needs the token ids, not its weight: no all-gather for it
+        wrap(model.tok_embeddings).set_unshard_in_backward(False)
         wrap([model.norm, model.output], reshard_after_forward=False)
     wrap(model)
     return model
