@@ -123,9 +123,10 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     Built on the meta device, then each block is allocated, initialised and wrapped in turn (one
     communication group per block), so no process ever holds more than one unsharded block
     beyond its shards and a 70B model starts like a tiny one. Then the embedding alone (freed
-    after forward and not gathered again for backward, which does not read it) and the final norm with the output projection as one group kept unsharded
-    after forward (backward needs them first), so the root does not hold them, nor the output's
-    gradient, through the whole backward; tied embeddings stay in the root's group.
+    after forward and not gathered again for backward, which does not read it) and the final
+    norm with the output projection as one group kept unsharded after forward (backward needs
+    them first), so the root does not hold them, nor the output's gradient, through the whole
+    backward; tied embeddings stay in the root's group.
 
     Wrapped alone, those parameters are named ``weight`` (``0.weight``, ``1.weight``), so a
     name-based policy such as Muon's cannot tell them from hidden matrices; its default "auto"
