@@ -191,8 +191,8 @@ def _spec_of(tensors: list[RaggedTensor]) -> RaggedTensor:
     return first
 
 
-def _check_no_plain_tensors(args: Any, like: RaggedTensor) -> None:
-    for a in tree_flatten(args)[0]:
+def _check_no_plain_tensors(operands: list[Any], like: RaggedTensor) -> None:
+    for a in operands:
         if isinstance(a, torch.Tensor) and not isinstance(a, RaggedTensor) and a.numel() > 1:
             raise ValueError(
                 f"mixing a RaggedTensor ({like._spec.name!r}) with a plain tensor of shape "
@@ -201,6 +201,8 @@ def _check_no_plain_tensors(args: Any, like: RaggedTensor) -> None:
 
 
 def _wrap(out: Any, like: RaggedTensor) -> Any:
+    if isinstance(out, torch.Tensor) and out.dim() == 1 and out.numel() == like._local.numel():
+        return RaggedTensor(out, like._spec, like._rank, like._group)  # the common case, fast
     return tree_map_only(
         torch.Tensor,
         lambda t: (
@@ -217,10 +219,22 @@ def _unwrap(x: Any) -> Any:
 
 
 def _pointwise(func, args, kwargs):
-    ragged = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, RaggedTensor)]
-    like = _spec_of(ragged)
-    _check_no_plain_tensors((args, kwargs), like)
-    out = func(*_unwrap(args), **_unwrap(kwargs))
+    """Element-wise ops run on the local pieces. Their operands are tensors, scalars or None, so
+    one flat pass unwraps them (pytree's traversals cost 5x the op itself in a per-tensor
+    optimizer step); nested operands, which no pointwise aten op takes today, go through
+    pytree."""
+    operands = [*args, *kwargs.values()]
+    if any(isinstance(a, (list, tuple, dict)) for a in operands):
+        operands = tree_flatten((args, kwargs))[0]
+        unwrapped_args, unwrapped_kwargs = _unwrap(args), _unwrap(kwargs)
+    else:
+        unwrapped_args = [a._local if isinstance(a, RaggedTensor) else a for a in args]
+        unwrapped_kwargs = {
+            k: v._local if isinstance(v, RaggedTensor) else v for k, v in kwargs.items()
+        }
+    like = _spec_of([a for a in operands if isinstance(a, RaggedTensor)])
+    _check_no_plain_tensors(operands, like)
+    out = func(*unwrapped_args, **unwrapped_kwargs)
     if func._schema.is_mutable:  # in-place / out=: the ragged operands were updated in place
         return args[0]
     return _wrap(out, like)

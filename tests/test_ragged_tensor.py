@@ -1,0 +1,40 @@
+"""RaggedTensor's element-wise dispatch: math on the local pieces, wrapped back with the same
+spec; refusals for anything that would need other ranks' data or mixes layouts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raggedfsdp.sharding import RaggedShard, RaggedTensor
+
+SPEC = RaggedShard.even((4, 6), 2, 6, "w")  # rank 1 holds the last two rows: 12 elements
+
+
+def _ragged(values: torch.Tensor, spec: RaggedShard = SPEC) -> RaggedTensor:
+    return RaggedTensor(values, spec, rank=1)
+
+
+def test_pointwise_ops_run_on_the_local_pieces():
+    a_local, b_local = torch.randn(12), torch.randn(12)
+    a, b = _ragged(a_local.clone()), _ragged(b_local)
+    out = torch.add(a, b, alpha=2.0)  # a keyword scalar
+    assert isinstance(out, RaggedTensor) and out.ragged_shard == SPEC and out.shape == (4, 6)
+    assert torch.equal(out.local, torch.add(a_local, b_local, alpha=2.0))
+    weight = torch.tensor(0.25)  # a 0-d tensor operand broadcasts, as in torch.optim
+    assert torch.equal(torch.lerp(a, b, weight).local, torch.lerp(a_local, b_local, weight))
+    returned = a.addcdiv_(b, b.abs() + 1, value=-0.5)  # in place: the same object back
+    assert returned is a
+    assert torch.equal(a.local, a_local.addcdiv(b_local, b_local.abs() + 1, value=-0.5))
+    assert torch.equal(torch.where(b > 0, a, b).local, torch.where(b_local > 0, a.local, b_local))
+
+
+def test_ops_needing_other_ranks_or_other_layouts_are_refused():
+    a = _ragged(torch.randn(12))
+    with pytest.raises(NotImplementedError, match=r"needs the whole tensor.*full_tensor\(\)"):
+        a.sum()
+    with pytest.raises(ValueError, match=r"mixing a RaggedTensor \('w'\) with a plain tensor"):
+        a + torch.ones(4, 6)
+    other = _ragged(torch.randn(12), RaggedShard.even((4, 6), 2, 1, "w"))  # element units
+    with pytest.raises(ValueError):
+        a + other
