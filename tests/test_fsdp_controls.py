@@ -142,6 +142,51 @@ def test_prefetch_lists_must_name_wrapped_modules():
     assert model.layers[1]._raggedfsdp_state.backward_prefetch is None  # nothing was set
 
 
+# ----------------------------------------------------------------------------- root resharding
+def _root_resharded_after_forward(steps: int) -> dict:
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = []
+    for wrap in (fully_shard, fsdp2_fully_shard):
+        model = make_model()
+        for layer in model.layers:
+            wrap(layer, mesh=mesh)
+        models.append(wrap(model, mesh=mesh, reshard_after_forward=True))  # FSDP2: root too
+    ours, peer = models
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    root = ours._raggedfsdp_state.group
+    for step in range(steps):
+        for model, opt in zip(models, opts, strict=True):
+            with counting("all_gather_flat") as calls:
+                calls.name_buffers(ours)
+                loss = loss_fn(model, *_rows(step % 2))
+                freed_after_forward = not root.is_unsharded
+                loss.backward()
+            if model is ours:
+                root_gathers, freed = calls["root (TinyTransformer)"], freed_after_forward
+            opt.step()
+            opt.zero_grad()
+    ours_params, peer_params = _full_params(ours), _full_params(peer)
+    return {
+        "root_freed_after_forward": freed,
+        "root_gathers_per_step": root_gathers,
+        "vs_fsdp2": _max_abs_diff(ours_params, peer_params),
+        "bitwise_fsdp2": all(torch.equal(ours_params[n], peer_params[n]) for n in peer_params),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_root_resharded_after_forward_when_asked_as_fsdp2(pool, world_size):
+    """FSDP2's default keeps the root gathered for backward; an explicit ``True`` frees it during
+    the loss's backward and gathers it again (the peak there is the loss's gradient)."""
+    for res in pool.run(_root_resharded_after_forward, 3):
+        assert res["root_freed_after_forward"] and res["root_gathers_per_step"] == 2, res
+        assert res["vs_fsdp2"] < 1e-6, res
+        if world_size == 2:
+            assert res["bitwise_fsdp2"], res
+
+
 # ----------------------------------------------------------------------------- unshard in backward
 def _embedding_not_gathered_in_backward(steps: int) -> dict:
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard

@@ -78,7 +78,8 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``fully_shard``'s ``reshard_after_forward`` at run time (e.g. ``False`` for
-        evaluation loops that run several forwards)."""
+        gradient accumulation, or ``True`` on the root, which otherwise keeps its parameters
+        for backward)."""
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
@@ -203,7 +204,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | ShardMesh | torch.distributed.ProcessGroup | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_policy: ShardPolicy | None = None,
 ) -> nn.Module:
@@ -217,10 +218,12 @@ def fully_shard(
         mesh: 1-D ``DeviceMesh`` or process group (FSDP), 2-D ``DeviceMesh`` (HSDP: dim 0
             replicates, dim 1 shards), or ``None`` for the default group (a single process when
             torch.distributed is not initialised).
-        reshard_after_forward: free the unsharded parameters after forward and gather them
-            again for backward (ZeRO-3); ``False`` keeps them until backward ends (ZeRO-2-like
-            memory for the parameters of this group, one all-gather fewer). The root ignores it:
-            its backward runs first.
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward and
+            gathers them again for backward (ZeRO-3); ``False`` keeps them until backward ends
+            (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default), as
+            FSDP2: ``True``, except for the root, whose backward runs first. An explicit
+            ``True`` on the root frees it during the loss's backward too, for one more
+            all-gather.
         mp_policy: mixed precision (see ``MixedPrecisionPolicy``).
         shard_policy: ``(fqn, param) -> unit in elements``; default element units, which pad
             least (larger units that cover whole segments force the segment size to a multiple

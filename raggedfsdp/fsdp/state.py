@@ -7,10 +7,11 @@ from then on:
 * pre-forward: finish (or start) the group's all-gather, point the module at the unsharded
   parameters, and start prefetching the next group in the recorded forward order (or the
   modules ``set_modules_to_forward_prefetch`` named);
-* post-forward: reshard (unless asked not to, or the root, whose backward comes first; under
-  ``torch.no_grad`` always, no backward will come) and hook the outputs so the group is gathered
-  again (unless ``set_unshard_in_backward(False)``), and the one before it (or those
-  ``set_modules_to_backward_prefetch`` named) prefetched, when their gradients arrive;
+* post-forward: reshard (unless asked not to, or by default the root, whose backward comes
+  first; under ``torch.no_grad`` always, no backward will come) and hook the outputs so the
+  group is gathered again (unless ``set_unshard_in_backward(False)``), and the one before it
+  (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their gradients
+  arrive;
 * backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
   has them all, its parameters are freed, the gradients go into the flat gradient buffer and
   its reduce-scatter starts asynchronously;
@@ -160,7 +161,7 @@ class FSDPState:
         self,
         modules: list[nn.Module],
         group: ParamGroup | None,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | None,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.module_refs = [weakref.ref(m) for m in modules]
@@ -248,8 +249,11 @@ class FSDPState:
         if not self._yet_to_run:  # the last of the group's modules has run its forward
             if self.is_root:
                 ctx.order_recorded = True
-            # kept for backward unless asked otherwise; with grad off no backward will come
-            keep = not self.reshard_after_forward or self.is_root
+            # freed unless kept for backward; with grad off no backward will come
+            if self.reshard_after_forward is None:  # FSDP2's default: keep only the root
+                keep = self.is_root
+            else:
+                keep = not self.reshard_after_forward
             if self.group is not None and not (keep and torch.is_grad_enabled()):
                 self.group.reshard()
         tensors = [
