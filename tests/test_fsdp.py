@@ -481,3 +481,45 @@ def test_forward_without_grad_reshards_every_group(pool, wrapping):
     (``reshard_after_forward=False``) free their unsharded parameters."""
     for res in pool.run(_eval_leaves_everything_sharded, wrapping):
         assert res == {"unsharded_after_eval": [], "all_ragged": True, "grads": True}, res
+
+
+# ----------------------------------------------------------------------------- torch.compile
+def _compiled(whole_model: bool) -> dict:
+    """torchtitan compiles each block (``block.compile()``) before wrapping it; others compile
+    the wrapped model. FSDP's hooks are kept out of the graphs (``torch._dynamo.disable``), so
+    a block compiles to one graph, shared by all blocks, that the parameter swapping between
+    sharded and unsharded never invalidates."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    params, graphs = {}, []
+    for compiled in (False, True):
+        model = make_model()
+        for layer in model.layers:
+            if compiled and not whole_model:
+                layer.compile(backend="aot_eager")
+            fully_shard(layer)
+        fully_shard(model)
+        if compiled and whole_model:
+            model.compile(backend="aot_eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            train(model, opt, 1, start=step)
+            graphs.append(counters["stats"]["unique_graphs"])
+        params[compiled] = {n: p.full_tensor() for n, p in model.named_parameters()}
+    return {
+        "bitwise_eager": all(torch.equal(params[True][n], t) for n, t in params[False].items()),
+        "graphs_per_step": graphs[3:],
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("whole_model", [False, True])
+def test_compiled_model_trains_bitwise_as_eager_without_recompiling(pool, whole_model):
+    for res in pool.run(_compiled, whole_model):
+        assert res["bitwise_eager"], res
+        graphs = res["graphs_per_step"]
+        assert graphs[0] == graphs[-1], res  # nothing recompiles after the first step
+        if not whole_model:
+            assert graphs == [1, 1, 1], res  # FSDP's hooks stay out of the block's graph

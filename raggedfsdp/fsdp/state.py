@@ -23,6 +23,10 @@ Recomputation under activation checkpointing runs forward hooks inside backward;
 make sure the parameters are unsharded and never reshard. A backward aborted by an error never
 reaches its end-of-backward callback; the root's next forward (or ``reset_iter_state()``)
 discards what it left behind.
+
+The hooks are kept out of ``torch.compile`` (``torch._dynamo.disable``, as FSDP2's are): traced,
+they cut a compiled block into three graphs around their collectives; skipped, a compiled block
+is one graph, shared by every block of the same shape.
 """
 
 from __future__ import annotations
@@ -211,6 +215,7 @@ class FSDPState:
         self.is_root = True
 
     # ----------------------------------------------------------------------------- forward
+    @torch._dynamo.disable
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._lazy_init()
         ctx = self.ctx
@@ -241,6 +246,7 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
 
+    @torch._dynamo.disable
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation for activation checkpointing: backward needs them
             return output
@@ -266,6 +272,7 @@ class FSDPState:
         return output
 
     # ----------------------------------------------------------------------------- backward
+    @torch._dynamo.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         ctx.start_backward()
