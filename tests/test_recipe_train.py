@@ -162,6 +162,13 @@ def test_fsdp2_flag_trains_the_same_model(dist_pool, data_dir, tmp_path):
         assert abs(loss - ours[step]) < 1e-4, step
 
 
+def test_compiled_blocks_train_the_same_model(dist_pool, data_dir, tmp_path):
+    eager = dist_pool(2).run(_train, _args(data_dir, tmp_path / "eager"))[0].losses
+    compiled = dist_pool(2).run(_train, _args(data_dir, tmp_path / "compiled", "--compile"))
+    for step, loss in compiled[0].losses.items():  # inductor fuses: rounding differs slightly
+        assert abs(loss - eager[step]) < 1e-3, step
+
+
 def _interrupted_save(argv: list[str]) -> str:
     """Crash (as a kill would) just before the checkpoint of step 8 is renamed into place."""
     real_rename = os.rename

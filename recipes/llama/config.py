@@ -102,6 +102,7 @@ class Config:
     dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
     mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
     activation_checkpointing: Annotated[bool, "recompute each block's activations"] = False
+    compile: Annotated[bool, "torch.compile each block before wrapping it (as torchtitan)"] = False
     device: Annotated[Literal["auto", "cpu", "cuda"], "auto: cuda when available"] = "auto"
     # evaluation, checkpoints, logging
     eval_every: Annotated[int, "validation every N steps (and at the end; 0: never)"] = 50

@@ -136,6 +136,8 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     wrap = _wrapper(cfg, env.mesh, policy)
     for index, block in enumerate(model.layers):
         model.materialize_block(index, env.device, cfg.seed)
+        if cfg.compile:  # blocks of one shape share one graph; FSDP's hooks stay outside it
+            block.compile()
         wrap(block)
     model.materialize_root(env.device, cfg.seed)
     if not cfg.model.tie_embeddings:
