@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import raggedfsdp.fsdp.param_group as param_group_module
 from raggedfsdp import clip_grad_norm_, fully_shard
 from raggedfsdp.sharding import RaggedTensor
 from tests.tiny_models import batch, loss_fn
@@ -69,3 +74,29 @@ def torchtitan_wrap(model: nn.Module, wrap) -> nn.Module:
     wrap([model.norm, model.head], mesh=mesh, reshard_after_forward=False)
     wrap(model, mesh=mesh)
     return model
+
+
+@contextmanager
+def counting(collective: str) -> Iterator[Counter]:
+    """Count ``collective`` calls (e.g. ``all_gather_flat``) per group name."""
+    calls: Counter = Counter()
+    original = getattr(param_group_module, collective)
+    names = {}
+
+    def counted(*args, **kwargs):
+        calls[names.get(id(args[0]), "?")] += 1
+        return original(*args, **kwargs)
+
+    def name_buffers(model: nn.Module) -> None:
+        for m in model.modules():
+            group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
+            if group is not None:
+                names[id(group.compute.full)] = group.name
+                names[id(group.grads.full)] = group.name
+
+    calls.name_buffers = name_buffers
+    setattr(param_group_module, collective, counted)
+    try:
+        yield calls
+    finally:
+        setattr(param_group_module, collective, original)

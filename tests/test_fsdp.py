@@ -13,7 +13,15 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.sharding import RaggedTensor, row_units
-from tests.fsdp_training import ROWS, max_diff, my_rows, shard_blocks, torchtitan_wrap, train
+from tests.fsdp_training import (
+    ROWS,
+    counting,
+    max_diff,
+    my_rows,
+    shard_blocks,
+    torchtitan_wrap,
+    train,
+)
 from tests.tiny_models import batch, loss_fn, make_model
 
 
@@ -455,7 +463,7 @@ def test_list_of_modules_bad_input():
     assert not hasattr(model.head, "_raggedfsdp_state")  # the refused call changed nothing
 
 
-def _eval_leaves_everything_sharded(wrapping: str) -> dict:
+def _eval_shows_sharded_parameters(wrapping: str) -> dict:
     model = make_model()
     if wrapping == "torchtitan":
         torchtitan_wrap(model, fully_shard)
@@ -466,21 +474,40 @@ def _eval_leaves_everything_sharded(wrapping: str) -> dict:
     with torch.no_grad():
         model(inputs)
     after_eval = {g.name: g.is_unsharded for g in set(groups) if g is not None}
+    all_ragged = all(isinstance(p, RaggedTensor) for p in model.parameters())
+    with counting("all_gather_flat") as calls, torch.no_grad():
+        calls.name_buffers(model)
+        model(inputs)
     model(inputs).sum().backward()  # training still works after it
     return {
-        "unsharded_after_eval": [name for name, unsharded in after_eval.items() if unsharded],
-        "all_ragged": all(isinstance(p, RaggedTensor) for p in model.parameters()),
+        "kept_after_eval": [name for name, unsharded in after_eval.items() if unsharded],
+        "second_eval_gathers": sorted(calls),
+        "all_ragged_after_eval": all_ragged,
         "grads": all(p.grad is not None for p in model.parameters()),
     }
 
 
 @pytest.mark.parametrize("world_size", [2])
 @pytest.mark.parametrize("wrapping", ["blocks", "torchtitan"])
-def test_forward_without_grad_reshards_every_group(pool, wrapping):
-    """No backward follows a no-grad forward, so even the root and groups kept for backward
-    (``reshard_after_forward=False``) free their unsharded parameters."""
-    for res in pool.run(_eval_leaves_everything_sharded, wrapping):
-        assert res == {"unsharded_after_eval": [], "all_ragged": True, "grads": True}, res
+def test_forward_without_grad_shows_sharded_parameters_and_frees_all_but_kept_groups(
+    pool, wrapping
+):
+    """No backward follows a no-grad forward: the root is freed too, and a group created with
+    ``reshard_after_forward=False`` (torchtitan's ``[norm, output]``) keeps only its memory, as
+    FSDP2 keeps it for evaluation loops, so the next forward skips its all-gather. Outside
+    forward, ``model.parameters()`` are the sharded ones either way (state dicts, optimizers)."""
+    layers = ["layers.0", "layers.1", "layers.2"]
+    # torchtitan's root owns no parameters: everything is in the embedding, blocks, [norm, head]
+    kept, others = (
+        (["[norm, head]"], ["embed"])
+        if wrapping == "torchtitan"
+        else ([], ["root (TinyTransformer)"])
+    )
+    every = [*layers, *others]
+    for res in pool.run(_eval_shows_sharded_parameters, wrapping):
+        assert res["kept_after_eval"] == kept, res
+        assert res["second_eval_gathers"] == sorted(every), res
+        assert res["all_ragged_after_eval"] and res["grads"], res
 
 
 # ----------------------------------------------------------------------------- torch.compile

@@ -7,9 +7,6 @@ collectives it is meant to save."""
 from __future__ import annotations
 
 import warnings
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -17,37 +14,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-import raggedfsdp.fsdp.param_group as param_group_module
 from raggedfsdp import fully_shard, register_fsdp_forward_method
 from raggedfsdp.sharding import RaggedTensor
-from tests.fsdp_training import ROWS, my_rows, shard_blocks, torchtitan_wrap
+from tests.fsdp_training import ROWS, counting, my_rows, shard_blocks, torchtitan_wrap
 from tests.tiny_models import batch, loss_fn, make_model
-
-
-@contextmanager
-def counting(collective: str) -> Iterator[Counter]:
-    """Count ``collective`` calls (e.g. ``all_gather_flat``) per group name."""
-    calls: Counter = Counter()
-    original = getattr(param_group_module, collective)
-    names = {}
-
-    def counted(*args, **kwargs):
-        calls[names.get(id(args[0]), "?")] += 1
-        return original(*args, **kwargs)
-
-    def name_buffers(model: nn.Module) -> None:
-        for m in model.modules():
-            group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
-            if group is not None:
-                names[id(group.compute.full)] = group.name
-                names[id(group.grads.full)] = group.name
-
-    calls.name_buffers = name_buffers
-    setattr(param_group_module, collective, counted)
-    try:
-        yield calls
-    finally:
-        setattr(param_group_module, collective, original)
 
 
 def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:

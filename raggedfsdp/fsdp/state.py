@@ -8,7 +8,8 @@ from then on:
   parameters, and start prefetching the next group in the recorded forward order (or the
   modules ``set_modules_to_forward_prefetch`` named);
 * post-forward: reshard (unless asked not to, or by default the root, whose backward comes
-  first; under ``torch.no_grad`` always, no backward will come) and hook the outputs so the
+  first; under ``torch.no_grad`` the root too, and groups asked to keep their parameters keep
+  only the memory, showing the sharded parameters again) and hook the outputs so the
   group is gathered again (unless ``set_unshard_in_backward(False)``), and the one before it
   (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their gradients
   arrive;
@@ -255,13 +256,18 @@ class FSDPState:
         if not self._yet_to_run:  # the last of the group's modules has run its forward
             if self.is_root:
                 ctx.order_recorded = True
-            # freed unless kept for backward; with grad off no backward will come
             if self.reshard_after_forward is None:  # FSDP2's default: keep only the root
                 keep = self.is_root
             else:
                 keep = not self.reshard_after_forward
-            if self.group is not None and not (keep and torch.is_grad_enabled()):
+            if self.group is not None and not keep:
                 self.group.reshard()
+            elif self.group is not None and not torch.is_grad_enabled():
+                # No backward will come: the module shows its sharded parameters again (state
+                # dicts, optimizers); the memory stays only where the user asked to keep it
+                # (``reshard_after_forward=False``, e.g. for evaluation loops), so the next
+                # forward needs no all-gather.
+                self.group.reshard(free=self.reshard_after_forward is None)
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
