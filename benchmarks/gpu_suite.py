@@ -7,7 +7,8 @@ One script, a few minutes on one H200 (budget: under 8). Checks (each passes or 
    ``CommHandle`` (a collective launched on a communication stream must wait for the compute
    stream's pending writes, and ``wait()`` must order the compute stream after it);
 3. ``raggedfsdp.fully_shard`` training steps on CUDA (fp32, equal to an unwrapped copy of the
-   model; bf16 mixed precision, finite and decreasing loss).
+   model; bf16 mixed precision, finite and decreasing loss), and with FSDP2's run-time controls
+   (prefetch lists, no backward gather for the embedding, kept parameters, compiled blocks).
 
 Measurements, each against a ceiling measured in the same run:
 
@@ -239,6 +240,46 @@ class Suite:
             f"fp32 max |param diff| {diff:.1e}; bf16 loss {mp_losses[0]:.3f} -> {mp_losses[-1]:.3f}"
         )
 
+    def fully_shard_controls(self) -> str:
+        """FSDP2's run-time controls on this device: two all-gathers in flight (explicit
+        prefetch lists), the embedding not gathered for backward, parameters kept across a
+        no-sync micro-batch and gathered again after the optimizer step, blocks through
+        ``torch.compile`` (aot_eager: graph capture without compiling kernels)."""
+        import raggedfsdp
+
+        def build() -> nn.Module:
+            torch.manual_seed(0)
+            return _TinyLM().to(self.device)
+
+        ref, ours = build(), build()
+        raggedfsdp.fully_shard(ours.embed).set_unshard_in_backward(False)
+        for block in ours.blocks:
+            block.compile(backend="aot_eager")
+            raggedfsdp.fully_shard(block)
+        raggedfsdp.fully_shard(ours)
+        blocks = list(ours.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 3])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, ours)]
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            tokens = torch.randint(0, _TinyLM.VOCAB, (4, 33), generator=gen).to(self.device)
+            for model, opt in zip((ref, ours), opts, strict=True):
+                for half, last in ((tokens[:2], False), (tokens[2:], True)):
+                    if model is ours:
+                        model.set_requires_gradient_sync(last)
+                        model.set_reshard_after_backward(last)
+                    (_lm_loss(model, half) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+        diff = max(
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
+        )
+        assert diff < 1e-4, f"parameters differ from the unwrapped model by {diff}"
+        return f"max |param diff| {diff:.1e} after 3 accumulated steps"
+
     # ----------------------------------------------------------------------------- measurements
     def ceilings(self) -> dict[str, float]:
         n = self.sizes["matmul"]
@@ -392,6 +433,7 @@ def main() -> int:
             suite.check("comm_collectives", suite.collectives)
             suite.check("comm_streams_events", suite.streams)
             suite.check("fully_shard_training", suite.fully_shard_steps)
+            suite.check("fully_shard_controls", suite.fully_shard_controls)
         suite.measure("ceilings", suite.ceilings)
         if hasattr(suite, "peak_tflops"):
             for rows, cols in suite.sizes["ns"]:
