@@ -77,24 +77,21 @@ def torchtitan_wrap(model: nn.Module, wrap) -> nn.Module:
 
 
 @contextmanager
-def counting(collective: str) -> Iterator[Counter]:
-    """Count ``collective`` calls (e.g. ``all_gather_flat``) per group name."""
+def counting(collective: str, model: nn.Module | None = None) -> Iterator[Counter]:
+    """Count ``collective`` calls (e.g. ``all_gather_flat``) per group of ``model`` (keyed by
+    the group's name; ``"?"`` for buffers that are not a group's, or without a model)."""
+    names = {}
+    for m in model.modules() if model is not None else []:
+        group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
+        if group is not None:
+            names[id(group.compute.full)] = names[id(group.grads.full)] = group.name
     calls: Counter = Counter()
     original = getattr(param_group_module, collective)
-    names = {}
 
     def counted(*args, **kwargs):
         calls[names.get(id(args[0]), "?")] += 1
         return original(*args, **kwargs)
 
-    def name_buffers(model: nn.Module) -> None:
-        for m in model.modules():
-            group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
-            if group is not None:
-                names[id(group.compute.full)] = group.name
-                names[id(group.grads.full)] = group.name
-
-    calls.name_buffers = name_buffers
     setattr(param_group_module, collective, counted)
     try:
         yield calls

@@ -475,8 +475,7 @@ def _eval_shows_sharded_parameters(wrapping: str) -> dict:
         model(inputs)
     after_eval = {g.name: g.is_unsharded for g in set(groups) if g is not None}
     all_ragged = all(isinstance(p, RaggedTensor) for p in model.parameters())
-    with counting("all_gather_flat") as calls, torch.no_grad():
-        calls.name_buffers(model)
+    with counting("all_gather_flat", model) as calls, torch.no_grad():
         model(inputs)
     model(inputs).sum().backward()  # training still works after it
     return {

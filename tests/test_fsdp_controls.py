@@ -128,8 +128,7 @@ def _root_resharded_after_forward(steps: int) -> dict:
     root = ours._raggedfsdp_state.group
     for step in range(steps):
         for model, opt in zip(models, opts, strict=True):
-            with counting("all_gather_flat") as calls:
-                calls.name_buffers(ours)
+            with counting("all_gather_flat", ours) as calls:
                 loss = loss_fn(model, *_rows(step % 2))
                 freed_after_forward = not root.is_unsharded
                 loss.backward()
@@ -171,8 +170,7 @@ def _embedding_not_gathered_in_backward(steps: int) -> dict:
     gathers = {}
     for step in range(steps):
         for name, model, opt in zip(("ours", "peer", "default"), models, opts, strict=True):
-            with counting("all_gather_flat") as calls:
-                calls.name_buffers(model)
+            with counting("all_gather_flat", model) as calls:
                 loss_fn(model, *_rows(step % 2)).backward()
             gathers[name] = dict(calls)
             opt.step()

@@ -44,9 +44,10 @@ class FSDPModule:
         """All-gather this module's group now (e.g. to inspect or time it). ``async_op=True``
         only starts it and returns a handle whose ``wait()`` finishes it; otherwise the next
         forward does."""
-        handle = UnshardHandle(self._fsdp_state().group)
-        if handle._group is not None:
-            handle._group.unshard(async_op=True)
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard(async_op=True)
+        handle = UnshardHandle(group)
         if async_op:
             return handle
         handle.wait()
@@ -317,8 +318,8 @@ def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:
 
 
 def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    if not any(isinstance(p, RaggedTensor) for g in optimizer.param_groups for p in g["params"]):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(isinstance(p, RaggedTensor) for p in params):  # every optimizer in the process
         return
     name = type(optimizer).__name__
     if in_backward():

@@ -56,13 +56,15 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def unfinished_backward(params: set[int]) -> RootContext | None:
-    """The context, among those owning a parameter whose ``id`` is in ``params``, whose backward
-    started and has not finished reducing gradients (still running, or aborted by an error)."""
-    for ctx in _LIVE_CONTEXTS:
-        if ctx.backward_active and any(
-            id(mp.sharded) in params for s in ctx.states if s.group for mp in s.group.params
-        ):
+def unfinished_backward(params: list[torch.Tensor]) -> RootContext | None:
+    """The context, among those owning one of ``params``, whose backward started and has not
+    finished reducing gradients (still running, or aborted by an error)."""
+    active = [ctx for ctx in _LIVE_CONTEXTS if ctx.backward_active]
+    if not active:  # the usual case, checked before every optimizer step: no set to build
+        return None
+    ids = {id(p) for p in params}
+    for ctx in active:
+        if any(id(mp.sharded) in ids for s in ctx.states if s.group for mp in s.group.params):
             return ctx
     return None
 

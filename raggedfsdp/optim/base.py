@@ -70,21 +70,13 @@ class StateBytes:
 
     ``state_bytes`` counts every state tensor this rank holds (step counters included, shared
     ones once); ``local_elements`` are the parameter elements it updates and ``global_elements``
-    those of the whole parameters, so ``per_element`` is the per-rank cost of one model element
-    (8 / W bytes for fp32 AdamW sharded over W ranks).
+    those of the whole parameters, so ``state_bytes / global_elements`` is the per-rank cost of
+    one model element (8 / W bytes for fp32 AdamW sharded over W ranks).
     """
 
     state_bytes: int
     local_elements: int
     global_elements: int
-
-    @property
-    def per_element(self) -> float:
-        return self.state_bytes / max(self.global_elements, 1)
-
-    @property
-    def per_local_element(self) -> float:
-        return self.state_bytes / max(self.local_elements, 1)
 
 
 def _param_list(params: Any) -> list[Any]:

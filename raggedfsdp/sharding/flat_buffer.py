@@ -94,10 +94,6 @@ class FlatBuffer:
     def full_views(self) -> Mapping[str, torch.Tensor]:
         return self._full_views
 
-    @property
-    def shard_views(self) -> Mapping[str, torch.Tensor]:
-        return self._shard_views
-
     # ----------------------------------------------------------------------------- lifetime
     @property
     def is_full_allocated(self) -> bool:
