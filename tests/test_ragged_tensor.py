@@ -38,3 +38,51 @@ def test_ops_needing_other_ranks_or_other_layouts_are_refused():
     other = _ragged(torch.randn(12), RaggedShard.even((4, 6), 2, 1, "w"))  # element units
     with pytest.raises(ValueError):
         a + other
+
+
+@pytest.mark.parametrize(
+    "fill",
+    [
+        lambda t, g: t.uniform_(-0.5, 2.0, generator=g),
+        lambda t, g: t.normal_(1.0, 0.3, generator=g),
+        lambda t, g: t.bernoulli_(0.3, generator=g),
+        lambda t, g: t.random_(generator=g),
+        lambda t, g: t.random_(5, generator=g),
+        lambda t, g: t.random_(-3, 9, generator=g),
+        lambda t, g: t.exponential_(2.0, generator=g),
+        lambda t, g: t.cauchy_(generator=g),
+        lambda t, g: t.log_normal_(generator=g),
+        lambda t, g: t.geometric_(0.4, generator=g),
+        lambda t, g: torch.nn.init.kaiming_uniform_(t, a=5**0.5, generator=g),
+    ],
+    ids=[
+        "uniform",
+        "normal",
+        "bernoulli",
+        "random",
+        "random_to",
+        "random_from_to",
+        "exponential",
+        "cauchy",
+        "log_normal",
+        "geometric",
+        "kaiming_uniform",
+    ],
+)
+def test_random_fills_draw_what_one_process_draws(fill):
+    """Each rank keeps its piece of the whole tensor that one process would draw with the same
+    generator, and the generator ends where it would: initialising after sharding gives the
+    unsharded model's weights at any world size (``trunc_normal_``, which also needs a global
+    ``any()``, is checked across processes in test_fsdp_meta_init)."""
+    full = torch.empty(4, 6)
+    fill(full, torch.Generator().manual_seed(7))
+    for rank in (0, 1):
+        spec = RaggedShard.even((4, 6), 2, 1, "w")
+        gen = torch.Generator().manual_seed(7)
+        ragged = RaggedTensor(torch.zeros(spec.length(rank)), spec, rank)
+        assert fill(ragged, gen) is ragged
+        start, stop = ragged.local_range
+        assert torch.equal(ragged.local, full.view(-1)[start:stop])
+        after = torch.Generator().manual_seed(7)
+        fill(torch.empty(4, 6), after)
+        assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=after))

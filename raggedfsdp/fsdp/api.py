@@ -16,6 +16,7 @@ the local pieces), and DCP checkpoints them without gathering.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -139,6 +140,29 @@ class FSDPModule:
             modules, "set_modules_to_backward_prefetch"
         )
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> nn.Module:
+        """``to_empty()``, ``to()``, ``cuda()``...: each group's local segment is converted as
+        a whole and its parameters stay views of the new flat buffers (and the same objects).
+        This is FSDP2's meta-device initialisation: build the model under
+        ``torch.device("meta")``, ``fully_shard`` it, then ``to_empty(device=...)`` and
+        initialise (random fills draw what one process would draw, so the parameters do not
+        depend on the world size). Every group below is checked first, so a refused
+        conversion (a dtype change, a gathered group) changes nothing."""
+        for state in self._states(recurse):
+            if state.group is not None:
+                state.group.check_conversion(fn)
+        state = self._fsdp_state()
+        params = [] if state.group is None else state.group.params
+        for module, name in (loc for mp in params for loc in mp.locations):
+            module._parameters[name] = None  # converted by state.convert, as one buffer
+        try:
+            result = super()._apply(fn, recurse)
+        finally:
+            if state.group is not None:
+                state.group.use_sharded_params()
+        state.convert(fn)
+        return result
+
     def _states(self, recurse: bool) -> list[FSDPState]:
         modules = self.modules() if recurse else [self]
         return list(dict.fromkeys(getattr(m, _STATE) for m in modules if hasattr(m, _STATE)))
@@ -231,8 +255,10 @@ def fully_shard(
             of their LCM). Pass an optimizer's policy, e.g. ``AdamW8bit.shard_policy()``, so
             its blocks are never cut.
 
-    Parameters must be initialised identically on every rank (same seed) or loaded afterwards
-    from a checkpoint: each rank keeps its pieces of its own copy.
+    Parameters must be initialised identically on every rank (same seed), or afterwards: on
+    the meta device, then ``to_empty(device=...)`` and ``nn.init`` on the sharded parameters
+    (same seed on every rank), or loaded from a checkpoint. Each rank keeps its pieces of its
+    own copy.
     """
     modules = _as_module_list(module)
     shard_mesh = resolve_mesh(mesh)
@@ -310,7 +336,7 @@ def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
 
 def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:
     device_mesh = mesh.device_mesh
-    if device_mesh is not None and device_mesh.device_type != param.device.type:
+    if device_mesh is not None and param.device.type not in (device_mesh.device_type, "meta"):
         raise ValueError(
             f"mesh is a {device_mesh.device_type!r} DeviceMesh but parameter {fqn!r} is on "
             f"{param.device}; build the mesh for the parameters' device type"

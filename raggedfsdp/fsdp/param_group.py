@@ -89,26 +89,10 @@ class ParamGroup:
             for mp in params
         ]
         self.layout: Layout = _plan_layout(specs, mesh.shard_size)
-        rank = mesh.shard_rank
-        compute_dtype = mp_policy.param_dtype or self.orig_dtype
-        reduce_dtype = mp_policy.reduce_dtype or compute_dtype
-        self.master = FlatBuffer(self.layout, rank, self.orig_dtype, self.device)
+        self._build_storage(self.device)
         with torch.no_grad():
             self.master.load_full_tensors({mp.fqn: mp.original.detach() for mp in params})
-        self.compute = (
-            self.master
-            if compute_dtype == self.orig_dtype
-            else FlatBuffer(self.layout, rank, compute_dtype, self.device)
-        )
-        # Only the full gradient buffer persists (as storage that is freed between backwards);
-        # sharded gradients are fresh tensors per reduction, freed by zero_grad(set_to_none).
-        self.grads = FlatBuffer(self.layout, rank, reduce_dtype, self.device, with_shard=False)
         for mp in params:
-            spec = self.layout.shards[mp.fqn]
-            local = self.master.shard_view(mp.fqn)
-            ragged = RaggedTensor(local, spec, rank, mesh.shard_group)
-            mp.sharded = nn.Parameter(ragged, requires_grad=mp.requires_grad)
-            mp.unsharded = nn.Parameter(self.compute.full_view(mp.fqn), mp.requires_grad)
             mp.original = None
         self.is_unsharded = False
         self._gather: CommHandle | None = None
@@ -127,6 +111,28 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self.use_sharded_params()
+
+    def _build_storage(self, device: torch.device) -> None:
+        """The flat buffers on ``device`` (zero-filled) and the parameters as views of them."""
+        rank = self.mesh.shard_rank
+        compute_dtype = self.mp_policy.param_dtype or self.orig_dtype
+        reduce_dtype = self.mp_policy.reduce_dtype or compute_dtype
+        self.device = device
+        self.master = FlatBuffer(self.layout, rank, self.orig_dtype, device)
+        self.compute = (
+            self.master
+            if compute_dtype == self.orig_dtype
+            else FlatBuffer(self.layout, rank, compute_dtype, device)
+        )
+        # Only the full gradient buffer persists (as storage that is freed between backwards);
+        # sharded gradients are fresh tensors per reduction, freed by zero_grad(set_to_none).
+        self.grads = FlatBuffer(self.layout, rank, reduce_dtype, device, with_shard=False)
+        for mp in self.params:
+            spec = self.layout.shards[mp.fqn]
+            local = self.master.shard_view(mp.fqn)
+            ragged = RaggedTensor(local, spec, rank, self.mesh.shard_group)
+            mp.sharded = nn.Parameter(ragged, requires_grad=mp.requires_grad)
+            mp.unsharded = nn.Parameter(self.compute.full_view(mp.fqn), mp.requires_grad)
 
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
         return failing_as(
@@ -148,6 +154,70 @@ class ParamGroup:
     def use_unsharded_params(self) -> None:
         self._install("unsharded")
 
+    # ----------------------------------------------------------------------------- conversion
+    def check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Refuse, before anything changes, a ``Module._apply`` conversion (``to_empty()``,
+        ``to()``, ``cuda()``, ``half()``...) that the group cannot follow: one made while it is
+        gathered or holds gradients not yet reduced, one that changes the dtype (the plan and
+        the optimizer state are in it), or one to a device type the mesh does not communicate
+        on."""
+        if self.is_unsharded or self._gather is not None:
+            busy = "is gathered"
+        elif self._reduce is not None or self.has_unreduced_grads or self._partial is not None:
+            busy = "holds gradients not yet reduced"
+        else:
+            busy = None
+        if busy:
+            raise RuntimeError(
+                f"fully_shard group {self.name!r} {busy}; move or materialize the module between "
+                "steps (after a synced backward, or after reshard())"
+            )
+        with torch.no_grad():
+            probe = fn(torch.empty(0, dtype=self.orig_dtype, device=self.device))
+        if probe.dtype != self.orig_dtype:
+            raise TypeError(
+                f"fully_shard group {self.name!r} holds {self.orig_dtype} parameters and cannot "
+                f"become {probe.dtype} after wrapping; cast the module before fully_shard, or "
+                "compute in another dtype with MixedPrecisionPolicy(param_dtype=...)"
+            )
+        mesh = self.mesh.device_mesh
+        if mesh is not None and probe.device.type not in (mesh.device_type, "meta"):
+            raise ValueError(
+                f"fully_shard group {self.name!r} communicates over a {mesh.device_type!r} "
+                f"DeviceMesh and cannot move to {probe.device}; move the module to a "
+                f"{mesh.device_type} device, or wrap it with a mesh for {probe.device.type}"
+            )
+
+    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Apply ``Module._apply``'s ``fn`` to the group (after ``check_conversion``): the local
+        segment is converted as one tensor (one transfer, not one per parameter), new flat
+        buffers are built where it lands, and the sharded parameters, the same objects as
+        before (an optimizer built earlier keeps them; attributes set on them stay), become
+        views of them again. Returns whether anything changed; if so, the unsharded parameters
+        are new objects."""
+        with torch.no_grad():
+            segment = fn(self.master.shard)
+            if segment is self.master.shard:
+                return False
+            grads = [
+                None if mp.sharded.grad is None else fn(mp.sharded.grad.local) for mp in self.params
+            ]
+        old = [mp.sharded for mp in self.params]
+        self._build_storage(segment.device)
+        self.master.load_shard(segment)
+        rank, group = self.mesh.shard_rank, self.mesh.shard_group
+        for mp, param, grad in zip(self.params, old, grads, strict=True):
+            attributes = dict(param.__dict__)
+            param.grad = None
+            torch.utils.swap_tensors(param, mp.sharded)
+            param.__dict__.update(attributes)
+            mp.sharded = param
+            if grad is not None:
+                param.grad = RaggedTensor(grad, self.layout.shards[mp.fqn], rank, group)
+        self._gathered_version = -1
+        self.use_sharded_params()
+        return True
+
     # ----------------------------------------------------------------------------- all-gather
     def unshard(self, async_op: bool = False) -> None:
         """Start (or finish) the all-gather of the parameters into the compute buffer.
@@ -155,6 +225,12 @@ class ParamGroup:
         Unsharded parameters kept from before (``reshard_after_backward=False``, a manual
         ``unshard()``) are gathered again if the sharded ones changed since (an optimizer step,
         a checkpoint load)."""
+        if self.device.type == "meta":
+            raise RuntimeError(
+                f"fully_shard group {self.name!r} is on the meta device: call "
+                "module.to_empty(device=...) and initialise its parameters (e.g. "
+                "model.init_weights()) before the first forward"
+            )
         if self.is_unsharded and self._master_version() != self._gathered_version:
             self.reshard()
         if self.is_unsharded or self._gather is not None:

@@ -78,20 +78,19 @@ class RootContext:
         self.order_recorded = False
         self.backward_active = False
         self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
-        self._streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] | None = None
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         _LIVE_CONTEXTS.add(self)
 
     def comm_streams(self) -> tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]:
         """(all-gather stream, reduce-scatter stream) on CUDA, so communication overlaps
-        compute; ``(None, None)`` elsewhere."""
-        if self._streams is None:
-            device = next((s.group.device for s in self.states if s.group), None)
-            if device is not None and device.type == "cuda":
-                with torch.cuda.device(device):
-                    self._streams = (torch.cuda.Stream(), torch.cuda.Stream())
-            else:
-                self._streams = (None, None)
-        return self._streams
+        compute; ``(None, None)`` elsewhere. Per device: ``to()`` may move the model."""
+        device = next((s.group.device for s in self.states if s.group), None)
+        if device is None or device.type != "cuda":
+            return (None, None)
+        if device not in self._streams:
+            with torch.cuda.device(device):
+                self._streams[device] = (torch.cuda.Stream(), torch.cuda.Stream())
+        return self._streams[device]
 
     def next_after(self, state: FSDPState, step: int) -> FSDPState | None:
         """The state that ran ``step`` places after ``state`` in the last forward."""
@@ -188,9 +187,18 @@ class FSDPState:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
         if group is not None:
-            for i, mp in enumerate(group.params):
-                if mp.unsharded.requires_grad:
-                    mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(i))
+            self._hook_gradients()
+
+    def _hook_gradients(self) -> None:
+        """Take each unsharded parameter's gradient as autograd accumulates it."""
+        for i, mp in enumerate(self.group.params):
+            if mp.unsharded.requires_grad:
+                mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(i))
+
+    def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """``Module._apply``'s conversion of the group (see ``ParamGroup.convert``)."""
+        if self.group is not None and self.group.convert(fn):
+            self._hook_gradients()  # the unsharded parameters are new objects
 
     # ----------------------------------------------------------------------------- set-up
     @property

@@ -135,6 +135,13 @@ class FlatBuffer:
                 )
             self._shard_views[name].copy_(src.reshape(-1)[tensor_off : tensor_off + length])
 
+    @torch.no_grad()
+    def load_shard(self, segment: torch.Tensor) -> None:
+        """Copy this rank's pieces from a tensor laid out like ``shard`` (e.g. the segment of
+        another buffer, moved to this one's device), leaving the padding zero."""
+        for name, seg_off, _, length in self.layout.local_pieces(self.rank):
+            self._shard_views[name].copy_(segment[seg_off : seg_off + length])
+
     def zero_full_padding(self) -> None:
         """Zero the padding between tensors in the full buffer (e.g. a freshly allocated
         gradient buffer, whose padding must reduce to zero)."""

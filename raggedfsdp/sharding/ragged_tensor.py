@@ -8,9 +8,11 @@ elements those are.
 
 Element-wise math works directly on it: pointwise ops (``mul_``, ``lerp_``, ``addcdiv_``...),
 their ``_foreach_`` forms and ``*_like`` factories run on the local pieces when every ragged
-operand has the same spec, which is all ``torch.optim.AdamW`` and friends need. Anything that
-would need other ranks' data (matmul, reductions, views) raises an error that says what to do
-instead: ``full_tensor()`` to gather, ``raggedfsdp.clip_grad_norm_`` for norms.
+operand has the same spec, which is all ``torch.optim.AdamW`` and friends need. Random fills
+(``nn.init``) draw what one process would draw and keep the local piece, and ``any()`` /
+``all()`` answer for the whole tensor, so models can be initialised after sharding. Anything
+else that would need other ranks' data (matmul, reductions, views) raises an error that says
+what to do instead: ``full_tensor()`` to gather, ``raggedfsdp.clip_grad_norm_`` for norms.
 
 It also speaks DCP's checkpoint protocol: a rank's flat range is written as the rectangular boxes
 it covers, so ``torch.distributed.checkpoint`` saves without gathering and loads at any other
@@ -306,6 +308,32 @@ def _in_place_local(func, args, kwargs):
     return args[0]
 
 
+def _random_fill(func, args, kwargs):
+    """In-place random fills (``nn.init``'s ``uniform_``, ``normal_``...): every rank draws the
+    whole tensor with its generator, as one process would, and keeps its piece. With the same
+    seed on every rank (as for any FSDP initialisation), parameters initialised after
+    ``fully_shard`` (on the meta device, then ``to_empty``) are then exactly those of the
+    unsharded model, at any world size, and the generator advances as it would there. Costs
+    one full-size temporary per call, one tensor at a time."""
+    dst = args[0]
+    full = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
+    func(full, *args[1:], **kwargs)
+    start, stop = dst.local_range
+    dst._local.copy_(full.view(-1)[start:stop])
+    return dst
+
+
+def _any_or_all(func, args, kwargs):
+    """``t.any()`` / ``t.all()`` over the whole tensor: one small all-reduce, so every rank
+    gets the same answer (``nn.init.trunc_normal_`` loops until no sample is out of range)."""
+    src = args[0]
+    local = func(src._local).to(torch.uint8)
+    if src._spec.world_size > 1:
+        op = dist.ReduceOp.MAX if func is aten.any.default else dist.ReduceOp.MIN
+        dist.all_reduce(local, op=op, group=src._group)
+    return local.bool()
+
+
 def _equal(func, args, kwargs):
     a, b = args
     if isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor) and a._spec == b._spec:
@@ -333,6 +361,23 @@ _SPECIAL = {
     aten.zero_.default: _in_place_local,
     aten.fill_.Scalar: _in_place_local,
     aten.equal.default: _equal,
+    aten.any.default: _any_or_all,
+    aten.all.default: _any_or_all,
+    **{
+        op: _random_fill
+        for op in (
+            aten.uniform_.default,
+            aten.normal_.default,
+            aten.bernoulli_.float,
+            aten.random_.default,
+            getattr(aten.random_, "from"),
+            aten.random_.to,
+            aten.exponential_.default,
+            aten.cauchy_.default,
+            aten.log_normal_.default,
+            aten.geometric_.default,
+        )
+    },
 }
 
 
