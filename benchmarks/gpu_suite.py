@@ -280,6 +280,58 @@ class Suite:
         assert diff < 1e-4, f"parameters differ from the unwrapped model by {diff}"
         return f"max |param diff| {diff:.1e} after 3 accumulated steps"
 
+    def fully_shard_meta_init(self) -> str:
+        """FSDP2's meta-device flow on this device: wrap on meta, ``to_empty`` here, initialise
+        in place (random fills draw on this device's generator, as one process would), train;
+        and a model wrapped on the CPU moved here with ``to()``. Both must match the unwrapped
+        model."""
+        import raggedfsdp
+
+        def init(model: nn.Module) -> nn.Module:
+            torch.manual_seed(5)
+            for name, param in model.named_parameters():
+                if param.dim() > 1:
+                    nn.init.trunc_normal_(param, std=0.02)
+                else:
+                    nn.init.normal_(param, 1.0 if "blocks" in name else 0.0, 0.01)
+            return model
+
+        def wrap(model: nn.Module) -> nn.Module:
+            for block in model.blocks:
+                raggedfsdp.fully_shard(block)
+            return raggedfsdp.fully_shard(model)
+
+        ref = init(_TinyLM().to(self.device))
+        with torch.device("meta"):
+            meta = wrap(_TinyLM())
+        init(meta.to_empty(device=self.device))
+        init_diff = max(
+            (p.full_tensor() - q).abs().max().item()
+            for p, q in zip(meta.parameters(), ref.parameters(), strict=True)
+        )
+        assert init_diff == 0.0, f"meta-device init differs from the unwrapped one: {init_diff}"
+        on_cpu = _TinyLM()
+        on_cpu.load_state_dict(ref.state_dict())
+        moved = wrap(on_cpu).to(self.device)
+        models = (ref, meta, moved)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(3):
+            tokens = torch.randint(0, _TinyLM.VOCAB, (4, 33), generator=gen).to(self.device)
+            for model, opt in zip(models, opts, strict=True):
+                _lm_loss(model, tokens).backward()
+                opt.step()
+                opt.zero_grad()
+        diffs = [
+            max(
+                (p.full_tensor() - q).abs().max().item()
+                for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+            )
+            for model in (meta, moved)
+        ]
+        assert max(diffs) < 1e-4, f"parameters differ from the unwrapped model by {diffs}"
+        return f"init bitwise; after 3 steps max |diff| meta {diffs[0]:.1e}, moved {diffs[1]:.1e}"
+
     # ----------------------------------------------------------------------------- measurements
     def ceilings(self) -> dict[str, float]:
         n = self.sizes["matmul"]
@@ -434,6 +486,7 @@ def main() -> int:
             suite.check("comm_streams_events", suite.streams)
             suite.check("fully_shard_training", suite.fully_shard_steps)
             suite.check("fully_shard_controls", suite.fully_shard_controls)
+            suite.check("fully_shard_meta_init", suite.fully_shard_meta_init)
         suite.measure("ceilings", suite.ceilings)
         if hasattr(suite, "peak_tflops"):
             for rows, cols in suite.sizes["ns"]:

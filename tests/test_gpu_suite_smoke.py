@@ -22,5 +22,10 @@ def test_gpu_suite_cpu_self_test_passes(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())
     assert results["failures"] == [], results
-    checks = ("comm_collectives", "fully_shard_training", "fully_shard_controls")
+    checks = (
+        "comm_collectives",
+        "fully_shard_training",
+        "fully_shard_controls",
+        "fully_shard_meta_init",
+    )
     assert all(results[name]["ok"] for name in checks), results
