@@ -189,6 +189,50 @@ def test_gradient_accumulation_without_sync(pool):
     assert max(pool.run(_accumulation)) < 1e-6
 
 
+# ----------------------------------------------------------------------------- torch's clipping
+def _torch_clipping() -> dict:
+    """torch.nn.utils' norm and clipping functions on fully_shard gradients: the whole
+    tensors' norms (one all-reduce per call), as FSDP2 users call them."""
+    import math
+
+    from raggedfsdp import clip_grad_norm_
+
+    model = shard_blocks(make_model())
+    loss_fn(model, *(my_rows(t) for t in batch(0, ROWS))).backward()
+    full = [p.grad.full_tensor() for p in model.parameters()]
+    errors = {}
+    for norm_type in (2.0, 1.0, 0.0, math.inf):
+        whole = [torch.linalg.vector_norm(g, norm_type) for g in full]
+        expected = torch.linalg.vector_norm(torch.stack(whole), norm_type).item()
+        for foreach in (True, False):
+            got = torch.nn.utils.get_total_norm(
+                [p.grad for p in model.parameters()], norm_type, foreach=foreach
+            )
+            errors[f"ord={norm_type} foreach={foreach}"] = abs(got.item() / expected - 1)
+    twin = shard_blocks(make_model())
+    loss_fn(twin, *(my_rows(t) for t in batch(0, ROWS))).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    ours = clip_grad_norm_(twin.parameters(), 0.1)
+    clipped = [p.grad.full_tensor() for p in model.parameters()]
+    coef = 0.1 / (norm.item() + 1e-6)
+    return {
+        "norm_errors": errors,
+        "returns_plain_tensor": type(norm) is torch.Tensor,
+        "vs_raggedfsdp_clip": abs(norm.item() / ours.item() - 1),
+        "clip_error": max(
+            (c - g * coef).abs().max().item() for c, g in zip(clipped, full, strict=True)
+        ),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_torch_clip_grad_norm_works_on_sharded_gradients(pool):
+    for res in pool.run(_torch_clipping):
+        assert max(res["norm_errors"].values()) < 1e-5, res
+        assert res["returns_plain_tensor"] and res["vs_raggedfsdp_clip"] < 1e-6, res
+        assert res["clip_error"] < 1e-7, res
+
+
 # ----------------------------------------------------------------------------- zero copy
 def _zero_copy() -> dict:
     model = shard_blocks(make_model())

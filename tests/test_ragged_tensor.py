@@ -33,6 +33,8 @@ def test_ops_needing_other_ranks_or_other_layouts_are_refused():
     a = _ragged(torch.randn(12))
     with pytest.raises(NotImplementedError, match=r"needs the whole tensor.*full_tensor\(\)"):
         a.sum()
+    with pytest.raises(NotImplementedError, match=r"norm over some dims .* needs whole rows"):
+        torch.linalg.vector_norm(a, dim=0)
     with pytest.raises(ValueError, match=r"mixing a RaggedTensor \('w'\) with a plain tensor"):
         a + torch.ones(4, 6)
     other = _ragged(torch.randn(12), RaggedShard.even((4, 6), 2, 1, "w"))  # element units

@@ -9,10 +9,11 @@ elements those are.
 Element-wise math works directly on it: pointwise ops (``mul_``, ``lerp_``, ``addcdiv_``...),
 their ``_foreach_`` forms and ``*_like`` factories run on the local pieces when every ragged
 operand has the same spec, which is all ``torch.optim.AdamW`` and friends need. Random fills
-(``nn.init``) draw what one process would draw and keep the local piece, and ``any()`` /
-``all()`` answer for the whole tensor, so models can be initialised after sharding. Anything
-else that would need other ranks' data (matmul, reductions, views) raises an error that says
-what to do instead: ``full_tensor()`` to gather, ``raggedfsdp.clip_grad_norm_`` for norms.
+(``nn.init``) draw what one process would draw and keep the local piece; ``any()``, ``all()``
+and whole-tensor norms (``torch.nn.utils.clip_grad_norm_``) answer for the whole tensor with
+one small all-reduce, so models can be initialised and clipped as usual. Anything else that
+would need other ranks' data (matmul, other reductions, views) raises an error that says what
+to do instead: ``full_tensor()`` to gather, ``.local`` for per-rank math.
 
 It also speaks DCP's checkpoint protocol: a rank's flat range is written as the rectangular boxes
 it covers, so ``torch.distributed.checkpoint`` saves without gathering and loads at any other
@@ -21,6 +22,8 @@ world size or layout.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -334,6 +337,59 @@ def _any_or_all(func, args, kwargs):
     return local.bool()
 
 
+def _norms(func, args, kwargs):
+    """Norms of whole tensors, the same on every rank, so ``torch.nn.utils.clip_grad_norm_``
+    (and ``get_total_norm``) work on ``fully_shard`` gradients: each rank takes ``sum |x|^p``
+    (``max |x|``, ...) of its pieces in fp32, one all-reduce per process group covers the whole
+    list, then the root. Plain tensors in the list are whole already."""
+    foreach = func is aten._foreach_norm.Scalar
+    bound = func._schema  # positional or keyword, by the op's own argument names
+    named = {a.name: v for a, v in zip(bound.arguments, args, strict=False)} | kwargs
+    tensors = named["self"] if foreach else [named["self"]]
+    order = float(named.get("ord", 2.0))
+    if not foreach and (named.get("dim") is not None or named.get("keepdim")):
+        raise NotImplementedError(
+            "a norm over some dims of a RaggedTensor needs whole rows; gather with "
+            ".full_tensor(), or take the norm of the whole tensor"
+        )
+    if order < 0 and not math.isinf(order):
+        raise NotImplementedError(f"ord={order}: RaggedTensor norms take ord >= 0 or +-inf")
+    dtype = named.get("dtype")
+    op, reduce_op = _NORM_PARTS[order if math.isinf(order) or order == 0 else "p"]
+    parts = [op(t._local if isinstance(t, RaggedTensor) else t.reshape(-1), order) for t in tensors]
+    by_group: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, RaggedTensor) and t._spec.world_size > 1:
+            by_group.setdefault(t._group, []).append(i)
+    for group, members in by_group.items():
+        stacked = torch.stack([parts[i] for i in members])
+        dist.all_reduce(stacked, op=reduce_op, group=group)
+        for i, value in zip(members, stacked, strict=True):
+            parts[i] = value
+    finite_p = not math.isinf(order) and order != 0
+    out = [
+        (part.pow(1 / order) if finite_p else part).to(dtype or t.dtype)
+        for part, t in zip(parts, tensors, strict=True)
+    ]
+    return out if foreach else out[0]
+
+
+def _empty_safe(reduce: Callable[[torch.Tensor], torch.Tensor], empty: float):
+    def part(x: torch.Tensor, order: float) -> torch.Tensor:
+        x = x.float()
+        return reduce(x) if x.numel() else torch.tensor(empty, device=x.device)
+
+    return part
+
+
+_NORM_PARTS = {  # per-rank part of a norm of the whole tensor, and how ranks combine them
+    math.inf: (_empty_safe(lambda x: x.abs().amax(), 0.0), dist.ReduceOp.MAX),
+    -math.inf: (_empty_safe(lambda x: x.abs().amin(), math.inf), dist.ReduceOp.MIN),
+    0.0: (lambda x, order: (x != 0).sum().float(), dist.ReduceOp.SUM),
+    "p": (lambda x, order: x.float().abs().pow(order).sum(), dist.ReduceOp.SUM),
+}
+
+
 def _equal(func, args, kwargs):
     a, b = args
     if isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor) and a._spec == b._spec:
@@ -361,6 +417,8 @@ _SPECIAL = {
     aten.zero_.default: _in_place_local,
     aten.fill_.Scalar: _in_place_local,
     aten.equal.default: _equal,
+    aten._foreach_norm.Scalar: _norms,
+    aten.linalg_vector_norm.default: _norms,
     aten.any.default: _any_or_all,
     aten.all.default: _any_or_all,
     **{
