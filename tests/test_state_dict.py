@@ -131,3 +131,33 @@ def test_full_state_saved_at_3_loads_at_2_and_1(dist_pool, tmp_path):
     dist_pool(3).run(_export, path)
     for world in (2, 1):
         assert all(dist_pool(world).run(_import, path)), world
+
+
+def _async_checkpoint(path: str) -> dict:
+    """torchtitan's checkpointing: torch's sharded state dicts, ``dcp.async_save`` (which
+    stages a deep copy on the CPU), then load and resume."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict as sharded_get
+    from torch.distributed.checkpoint.state_dict import set_state_dict as sharded_set
+
+    model, opt = _trained()
+    model_sd, optim_sd = sharded_get(model, opt)
+    dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path).result()
+    fresh, fresh_opt = _trained(seed=9, steps=1)
+    model_sd, optim_sd = sharded_get(fresh, fresh_opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    sharded_set(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    loaded = _equal_trees(_full_of(fresh, fresh_opt), _full_of(model, opt))
+    train(model, opt, 2, start=2)
+    train(fresh, fresh_opt, 2, start=2)
+    return {
+        "loaded": loaded,
+        "resumed": _equal_trees(_full_of(fresh, fresh_opt), _full_of(model, opt)),
+    }
+
+
+@pytest.mark.parametrize("world_size", [3])
+def test_async_save_then_load_resumes_bitwise(pool, tmp_path):
+    for res in pool.run(_async_checkpoint, str(tmp_path / "ckpt")):
+        assert all(res.values()), res

@@ -37,6 +37,19 @@ __all__ = ["RaggedTensor"]
 aten = torch.ops.aten
 
 
+class _GroupRef:
+    """A process group held by reference: deep copies of a RaggedTensor (DCP's ``async_save``
+    stages state dicts with one) share it, since process groups cannot be copied."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _GroupRef:
+        return self
+
+
 class RaggedTensor(torch.Tensor):
     """Global-shape view of this rank's ragged piece of a tensor.
 
@@ -51,9 +64,9 @@ class RaggedTensor(torch.Tensor):
     _local: torch.Tensor
     _spec: RaggedShard
     _rank: int
-    _group: dist.ProcessGroup | None
+    _group_ref: _GroupRef
 
-    __slots__ = ("_group", "_local", "_rank", "_spec")
+    __slots__ = ("_group_ref", "_local", "_rank", "_spec")
 
     @staticmethod
     def __new__(
@@ -72,8 +85,13 @@ class RaggedTensor(torch.Tensor):
         out = torch.Tensor._make_wrapper_subclass(
             cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
         )
-        out._local, out._spec, out._rank, out._group = local, spec, rank, group
+        out._local, out._spec, out._rank = local, spec, rank
+        out._group_ref = _GroupRef(group)
         return out
+
+    @property
+    def _group(self) -> dist.ProcessGroup | None:
+        return self._group_ref.group
 
     # ----------------------------------------------------------------------------- accessors
     @property
@@ -133,7 +151,7 @@ class RaggedTensor(torch.Tensor):
         raise NotImplementedError(
             f"{func.name()} needs the whole tensor, but a RaggedTensor holds only this rank's "
             f"piece of {cls._describe(args)}. Gather it with .full_tensor() (or unshard the "
-            "module), use .local for per-rank math, and raggedfsdp.clip_grad_norm_ for norms."
+            "module), or use .local for per-rank math (norms of whole tensors work as they are)."
         )
 
     @staticmethod
@@ -260,8 +278,8 @@ def _foreach(func, args, kwargs):
     )
     if not elementwise:
         raise NotImplementedError(
-            f"{func.name()} is not element-wise; on RaggedTensors use raggedfsdp.clip_grad_norm_ "
-            "for norms, or .full_tensor() to gather"
+            f"{func.name()} is not element-wise; on RaggedTensors gather with .full_tensor(), or "
+            "use .local for per-rank math"
         )
     lists = [
         a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)
@@ -283,6 +301,19 @@ def _like_factory(func, args, kwargs):
     src = args[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
     local = func(src._local, *args[1:], **kwargs)
+    return RaggedTensor(local, src._spec, src._rank, src._group)
+
+
+def _new_empty(func, args, kwargs):
+    """``new_empty`` of the global shape (DCP's ``async_save`` stages tensors this way): a
+    RaggedTensor with an empty local piece."""
+    src, size = args[0], list(args[1])
+    if size != list(src.shape):
+        raise NotImplementedError(
+            f"new_empty({size}) of RaggedTensor {src._spec.name!r} of shape {tuple(src.shape)}: "
+            "only the global shape keeps a meaning per rank; use .local.new_empty(...)"
+        )
+    local = src._local.new_empty(src._local.shape, *args[2:], **kwargs)
     return RaggedTensor(local, src._spec, src._rank, src._group)
 
 
@@ -412,6 +443,7 @@ _SPECIAL = {
     aten.zeros_like.default: _like_factory,
     aten.ones_like.default: _like_factory,
     aten.empty_like.default: _like_factory,
+    aten.new_empty.default: _new_empty,
     aten.full_like.default: _like_factory,
     aten.copy_.default: _copy_,
     aten.zero_.default: _in_place_local,
