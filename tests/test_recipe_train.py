@@ -14,11 +14,13 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from recipes.llama import checkpoint as ckpt_module
 from recipes.llama.checkpoint import CheckpointError
 from recipes.llama.config import ConfigError, parse_args
 from recipes.llama.data import prepare_default
+from recipes.llama.model import Transformer
 from recipes.llama.optimizers import CHOICES, optimizer_class
 from recipes.llama.parallel import distributed
 from recipes.llama.train import RunResult, train
@@ -156,10 +158,22 @@ def test_hsdp_bf16_activation_checkpointing_tied_embeddings(dist_pool, data_dir,
 
 
 def test_fsdp2_flag_trains_the_same_model(dist_pool, data_dir, tmp_path):
-    ours = dist_pool(2).run(_train, _args(data_dir, tmp_path / "ours"))[0].losses
-    theirs = dist_pool(2).run(_train, _args(data_dir, tmp_path / "fsdp2", "--fsdp", "fsdp2"))
+    ours = dist_pool(2).run(_train, _args(data_dir, tmp_path / "ours", "--export-weights"))
+    theirs = dist_pool(2).run(
+        _train, _args(data_dir, tmp_path / "fsdp2", "--fsdp", "fsdp2", "--export-weights")
+    )
     for step, loss in theirs[0].losses.items():
-        assert abs(loss - ours[step]) < 1e-4, step
+        assert abs(loss - ours[0].losses[step]) < 1e-4, step
+    # the exported full weights: an unsharded model's state dict, the same from both FSDPs
+    exported = [torch.load(tmp_path / d / "model.pt", weights_only=True) for d in ("ours", "fsdp2")]
+    cfg = parse_args(_args(data_dir, tmp_path))
+    unsharded = Transformer(cfg.model, cfg.seq_len).state_dict()
+    for weights in exported:
+        assert {k: v.shape for k, v in weights.items()} == {
+            k: v.shape for k, v in unsharded.items()
+        }
+        assert all(v.device.type == "cpu" and type(v) is torch.Tensor for v in weights.values())
+    assert max((exported[0][k] - exported[1][k]).abs().max().item() for k in unsharded) < 1e-4
 
 
 def test_compiled_blocks_train_the_same_model(dist_pool, data_dir, tmp_path):

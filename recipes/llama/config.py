@@ -110,6 +110,9 @@ class Config:
     checkpoint_every: Annotated[int, "checkpoint every N steps (0: only on SIGINT/SIGTERM)"] = 100
     keep_checkpoints: Annotated[int, "complete checkpoints kept (older ones are deleted)"] = 2
     resume: Annotated[str, "auto (latest in run_dir) | never | path of a checkpoint"] = "auto"
+    export_weights: Annotated[
+        bool, "at the end, write the full weights to run_dir/model.pt (rank 0, a plain state dict)"
+    ] = False
     wandb_mode: Annotated[Literal["online", "offline", "disabled"], "wandb mode"] = "offline"
     wandb_project: Annotated[str, "wandb project"] = "raggedfsdp"
     peak_tflops: Annotated[float, "per-device peak for MFU (0: GPU table / measured on CPU)"] = 0.0

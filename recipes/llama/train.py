@@ -39,7 +39,7 @@ from recipes.llama.data import (
 from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes
 from recipes.llama.model import flops_per_token, matmul_params
 from recipes.llama.optimizers import Schedule, build_optimizer, optimizer_class, shard_policy
-from recipes.llama.parallel import Env, build_model, clip_gradients, distributed
+from recipes.llama.parallel import Env, build_model, clip_gradients, distributed, full_weights
 
 __all__ = ["RunResult", "main", "train", "train_step"]
 
@@ -244,6 +244,10 @@ def train(
                 )
                 break
 
+    if cfg.export_weights:
+        weights = full_weights(model, cfg)  # a collective: every rank takes part
+        if env.is_main:
+            torch.save(weights, Path(cfg.run_dir) / "model.pt")
     result.wall_time_s = time.perf_counter() - start_time
     speeds = result.tokens_per_s[1:]  # the first step of a launch warms up
     summary = {
