@@ -20,9 +20,16 @@ from tests.fsdp_training import shard_blocks, train
 from tests.tiny_models import make_model
 
 
-def _trained(seed: int = 0, steps: int = 2):
-    model = shard_blocks(make_model(seed=seed))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def _trained(seed: int = 0, steps: int = 2, optimizer: str = "torch"):
+    """A fully_shard model trained ``steps`` steps with torch's AdamW, or ours (8-bit)."""
+    if optimizer == "torch":
+        model = shard_blocks(make_model(seed=seed))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    else:
+        from raggedfsdp.optim import AdamW8bit
+
+        model = shard_blocks(make_model(seed=seed), shard_policy=AdamW8bit.shard_policy())
+        opt = AdamW8bit(model.parameters(), lr=1e-2)
     train(model, opt, steps)
     return model, opt
 
@@ -105,8 +112,8 @@ def test_flattened_optimizer_state_round_trips(pool):
         assert all(res.values()), res
 
 
-def _export(path: str) -> dict:
-    model, opt = _trained(steps=3)
+def _export(path: str, optimizer: str) -> dict:
+    model, opt = _trained(steps=3, optimizer=optimizer)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_state_dict(model, opt, options=options)
     if dist.get_rank() == 0:
@@ -114,8 +121,8 @@ def _export(path: str) -> dict:
     return {}
 
 
-def _import(path: str) -> bool:
-    model, opt = _trained(seed=5, steps=1)
+def _import(path: str, optimizer: str) -> bool:
+    model, opt = _trained(seed=5, steps=1, optimizer=optimizer)
     saved = torch.load(path, weights_only=True) if dist.get_rank() == 0 else ({}, {})
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_state_dict(
@@ -126,11 +133,12 @@ def _import(path: str) -> bool:
     return _equal_trees(reloaded, mine)
 
 
-def test_full_state_saved_at_3_loads_at_2_and_1(dist_pool, tmp_path):
+@pytest.mark.parametrize("optimizer", ["torch", "adamw8bit"])
+def test_full_state_saved_at_3_loads_at_2_and_1(dist_pool, tmp_path, optimizer):
     path = str(tmp_path / "full.pt")
-    dist_pool(3).run(_export, path)
+    dist_pool(3).run(_export, path, optimizer)
     for world in (2, 1):
-        assert all(dist_pool(world).run(_import, path)), world
+        assert all(dist_pool(world).run(_import, path, optimizer)), world
 
 
 def _async_checkpoint(path: str) -> dict:
