@@ -203,6 +203,21 @@ class RaggedTensor(torch.Tensor):
 
 
 # --------------------------------------------------------------------------------- op handlers
+def _sibling(local: torch.Tensor, like: RaggedTensor) -> RaggedTensor:
+    """A RaggedTensor split as ``like`` (sharing its process-group reference) around ``local``:
+    what every op's result is, so it skips ``__new__``'s checks."""
+    out = torch.Tensor._make_wrapper_subclass(
+        RaggedTensor, like._spec.shape, dtype=local.dtype, device=local.device
+    )
+    out._local, out._spec, out._rank, out._group_ref = (
+        local,
+        like._spec,
+        like._rank,
+        like._group_ref,
+    )
+    return out
+
+
 def _spec_of(tensors: list[RaggedTensor]) -> RaggedTensor:
     first = tensors[0]
     for t in tensors[1:]:
@@ -225,14 +240,10 @@ def _check_no_plain_tensors(operands: list[Any], like: RaggedTensor) -> None:
 
 def _wrap(out: Any, like: RaggedTensor) -> Any:
     if isinstance(out, torch.Tensor) and out.dim() == 1 and out.numel() == like._local.numel():
-        return RaggedTensor(out, like._spec, like._rank, like._group)  # the common case, fast
+        return _sibling(out, like)  # the common case, fast
     return tree_map_only(
         torch.Tensor,
-        lambda t: (
-            RaggedTensor(t, like._spec, like._rank, like._group)
-            if t.dim() == 1 and t.numel() == like._local.numel()
-            else t
-        ),
+        lambda t: _sibling(t, like) if t.dim() == 1 and t.numel() == like._local.numel() else t,
         out,
     )
 
@@ -301,7 +312,7 @@ def _like_factory(func, args, kwargs):
     src = args[0]
     kwargs = {k: v for k, v in kwargs.items() if k != "memory_format"}
     local = func(src._local, *args[1:], **kwargs)
-    return RaggedTensor(local, src._spec, src._rank, src._group)
+    return _sibling(local, src)
 
 
 def _new_empty(func, args, kwargs):
@@ -314,12 +325,12 @@ def _new_empty(func, args, kwargs):
             "only the global shape keeps a meaning per rank; use .local.new_empty(...)"
         )
     local = src._local.new_empty(src._local.shape, *args[2:], **kwargs)
-    return RaggedTensor(local, src._spec, src._rank, src._group)
+    return _sibling(local, src)
 
 
 def _same_spec_unary(func, args, kwargs):
     src = args[0]
-    return RaggedTensor(func(src._local, *args[1:], **kwargs), src._spec, src._rank, src._group)
+    return _sibling(func(src._local, *args[1:], **kwargs), src)
 
 
 def _copy_(func, args, kwargs):
