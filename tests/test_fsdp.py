@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
-from raggedfsdp.sharding import RaggedTensor, row_units
+from raggedfsdp.sharding import RaggedShard, RaggedTensor, row_units
 from tests.fsdp_training import (
     ROWS,
     counting,
@@ -332,6 +332,32 @@ def test_bad_input_is_refused_with_clear_errors():
         fully_shard(mixed.layers[0])
     fully_shard(mixed.layers[0].w1)  # the fix the error suggests works
     fully_shard(mixed.layers[0])
+    foreign = make_model()  # a subclass parameter fully_shard did not make
+    spec = RaggedShard.even(tuple(foreign.head.bias.shape), 1, 1, "bias")
+    foreign.head.bias = nn.Parameter(RaggedTensor(foreign.head.bias.detach().clone(), spec, 0))
+    with pytest.raises(ValueError, match=r"'bias' is a RaggedTensor: fully_shard shards plain"):
+        fully_shard(foreign.head)
+    assert not hasattr(foreign.head, "_raggedfsdp_state")
+
+
+def _dtensor_parameter() -> str:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = make_model()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weight = distribute_tensor(model.head.weight.detach(), mesh, [Shard(0)])
+    model.head.weight = nn.Parameter(weight)
+    try:
+        fully_shard(model.head)
+    except ValueError as error:
+        return str(error)
+    return "accepted"
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_tensor_parallel_parameters_are_refused(pool):
+    for message in pool.run(_dtensor_parameter):
+        assert "'weight' is a DTensor: fully_shard shards plain tensors" in message, message
 
 
 def test_unsharded_params_report_global_shapes_and_gather():

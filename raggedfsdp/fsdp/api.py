@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
@@ -320,6 +321,12 @@ def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
                     f"parameter {fqn!r} is already sharded by the fully_shard call on {owner}: "
                     "a parameter can be in one group only. "
                     "Tied/shared weights must be wrapped by one call (e.g. the common parent)."
+                )
+            if is_traceable_wrapper_subclass(param) or isinstance(param, RaggedTensor):
+                raise ValueError(
+                    f"parameter {fqn!r} is a {type(param).__name__}: fully_shard shards plain "
+                    "tensors; tensor-parallel (DTensor) or other tensor-subclass parameters "
+                    "cannot join a group yet. Shard this module's parameters one way only"
                 )
             if id(param) not in found:
                 found[id(param)] = ManagedParam(fqn, param, [(mod, name)])
