@@ -84,9 +84,9 @@ def _peak_above_now(fn) -> float:
     """Run ``fn`` and return its peak resident memory above the level before it, in MiB."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     fn()
-    return (_status_kib("VmHWM") - before) / 1024
+    return (status_kib("VmHWM") - before) / 1024
 
 
 def _peak_allocated(fn) -> float:
@@ -107,7 +107,7 @@ def _peak_allocated(fn) -> float:
     return peak / 2**20
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -115,40 +115,66 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
+def build(system: str, args: argparse.Namespace) -> tuple[Model, torch.optim.Optimizer]:
+    """The benchmark model wrapped by ``system`` ("ours" or "fsdp2") as ``args`` say, with its
+    optimizer; every rank and both systems start from the same weights."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2MixedPrecision
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    from raggedfsdp import MixedPrecisionPolicy, fully_shard
+    if system == "ours":
+        from raggedfsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kwargs = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
+    if args.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    torch.manual_seed(0)
+    model = Model(args.vocab, args.dim, args.layers)
+    if args.activation_checkpointing:  # torchtitan style: shard the checkpoint wrapper
+        model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
+    if args.wrap == "torchtitan":  # the embedding alone; norm + output kept for backward
+        fully_shard(model.embed, **kwargs)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    if args.wrap == "torchtitan":
+        fully_shard([model.norm, model.head], **kwargs, reshard_after_forward=False)
+    fully_shard(model, **kwargs)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, data and wrapping flags (shared with ``memory_phases.py``)."""
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    parser.add_argument(
+        "--wrap",
+        choices=("blocks", "torchtitan"),
+        default="blocks",
+        help="blocks: each block, then the root; torchtitan: its apply_fsdp (embedding, blocks, "
+        "[norm, output] kept unsharded after forward, root)",
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
     torch.set_num_threads(max(1, os.cpu_count() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    mesh = init_device_mesh("cpu", (world,))
-    models = {}
-    peers = (
-        ("ours", fully_shard, MixedPrecisionPolicy),
-        ("fsdp2", fsdp2_fully_shard, FSDP2MixedPrecision),
-    )
-    for name, wrap, policy in peers:
-        kwargs = {"mesh": mesh}
-        if args.mixed_precision:
-            kwargs["mp_policy"] = policy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        torch.manual_seed(0)
-        model = Model(args.vocab, args.dim, args.layers)
-        if args.activation_checkpointing:  # torchtitan style: shard the checkpoint wrapper
-            model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
-        if args.wrap == "torchtitan":  # the embedding alone; norm + output kept for backward
-            wrap(model.embed, **kwargs)
-        for layer in model.layers:
-            wrap(layer, **kwargs)
-        if args.wrap == "torchtitan":
-            wrap([model.norm, model.head], **kwargs, reshard_after_forward=False)
-        wrap(model, **kwargs)
-        models[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    models = {name: build(name, args) for name in ("ours", "fsdp2")}
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
 
@@ -200,28 +226,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
+    add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--gather-repeats", type=int, default=5)
-    parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
-    parser.add_argument(
-        "--wrap",
-        choices=("blocks", "torchtitan"),
-        default="blocks",
-        help="blocks: each block, then the root; torchtitan: its apply_fsdp (embedding, blocks, "
-        "[norm, output] kept unsharded after forward, root)",
-    )
     args = parser.parse_args()
     os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     mp.start_processes(
