@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from raggedfsdp import fully_shard
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
@@ -55,13 +56,16 @@ def _equal(a: nn.Module, b: nn.Module) -> bool:
     return full_a.keys() == full_b.keys() and all(torch.equal(full_a[n], full_b[n]) for n in full_a)
 
 
-def _meta_init_then_train(steps: int) -> dict:
+def _meta_init_then_train(steps: int, hsdp: bool = False) -> dict:
     reference = TinyTransformer()
     _init_weights(reference, seed=3)
     reference_next_draw = torch.rand(4)
     with torch.device("meta"):
         model = TinyTransformer()
-    shard_blocks(model)
+    if hsdp:  # 2 replicas x 2 shards: each replica draws the same weights
+        shard_blocks(model, mesh=init_device_mesh("cpu", (2, 2)))
+    else:
+        shard_blocks(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built before: must stay valid
     before = [id(p) for p in model.parameters()]
     model.to_empty(device="cpu")
@@ -82,6 +86,13 @@ def test_meta_device_init_equals_one_process_init_and_trains_the_same(pool):
         assert res["same_parameter_objects"] and res["views_of_flat_buffers"], res
         assert res["generator_advanced_as_one_process"], res
         assert res["init_diff"] == 0.0, res  # bitwise, at every world size
+        assert res["train_diff"] < 2e-5, res
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_meta_device_init_with_hsdp(pool):
+    for res in pool.run(_meta_init_then_train, 2, True):
+        assert res["init_diff"] == 0.0 and res["views_of_flat_buffers"], res
         assert res["train_diff"] < 2e-5, res
 
 
