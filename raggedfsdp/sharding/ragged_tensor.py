@@ -385,8 +385,8 @@ def _norms(func, args, kwargs):
     (``max |x|``, ...) of its pieces in fp32, one all-reduce per process group covers the whole
     list, then the root. Plain tensors in the list are whole already."""
     foreach = func is aten._foreach_norm.Scalar
-    bound = func._schema  # positional or keyword, by the op's own argument names
-    named = {a.name: v for a, v in zip(bound.arguments, args, strict=False)} | kwargs
+    schema = func._schema  # arguments by name, whether passed by position or keyword
+    named = {a.name: v for a, v in zip(schema.arguments, args, strict=False)} | kwargs
     tensors = named["self"] if foreach else [named["self"]]
     order = float(named.get("ord", 2.0))
     if not foreach and (named.get("dim") is not None or named.get("keepdim")):
@@ -417,6 +417,8 @@ def _norms(func, args, kwargs):
 
 
 def _empty_safe(reduce: Callable[[torch.Tensor], torch.Tensor], empty: float):
+    """``reduce`` of a rank's piece in fp32, or ``empty`` for a rank that holds none."""
+
     def part(x: torch.Tensor, order: float) -> torch.Tensor:
         x = x.float()
         return reduce(x) if x.numel() else torch.tensor(empty, device=x.device)
