@@ -346,7 +346,10 @@ def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:
     if device_mesh is not None and param.device.type not in (device_mesh.device_type, "meta"):
         raise ValueError(
             f"mesh is a {device_mesh.device_type!r} DeviceMesh but parameter {fqn!r} is on "
-            f"{param.device}; build the mesh for the parameters' device type"
+            f"{param.device}. Unlike FSDP2, fully_shard does not move modules: call "
+            f"module.to({device_mesh.device_type!r}) first (or build the model under "
+            'torch.device("meta") and to_empty() after wrapping), or build the mesh for '
+            f"{param.device.type}"
         )
 
 
