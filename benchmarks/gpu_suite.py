@@ -190,14 +190,15 @@ class Suite:
         assert handle.is_completed(), "a waited and synchronized handle must report completion"
         return "comm stream waited for pending compute; compute waited for the collective"
 
+    def _seeded_lm(self) -> nn.Module:
+        """The same ``_TinyLM`` weights on every call, on this device."""
+        torch.manual_seed(0)
+        return _TinyLM().to(self.device)
+
     def fully_shard_steps(self) -> str:
         import raggedfsdp
 
-        def build() -> nn.Module:
-            torch.manual_seed(0)
-            return _TinyLM().to(self.device)
-
-        ref, ours = build(), build()
+        ref, ours = self._seeded_lm(), self._seeded_lm()
         for block in ours.blocks:
             raggedfsdp.fully_shard(block)
         raggedfsdp.fully_shard(ours)
@@ -218,7 +219,7 @@ class Suite:
             for p, q in zip(ours.parameters(), ref.parameters(), strict=True)
         )
         assert diff < 1e-4, f"parameters differ from the unwrapped model by {diff}"
-        bf16 = build()
+        bf16 = self._seeded_lm()
         policy = raggedfsdp.MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
@@ -247,11 +248,7 @@ class Suite:
         ``torch.compile`` (aot_eager: graph capture without compiling kernels)."""
         import raggedfsdp
 
-        def build() -> nn.Module:
-            torch.manual_seed(0)
-            return _TinyLM().to(self.device)
-
-        ref, ours = build(), build()
+        ref, ours = self._seeded_lm(), self._seeded_lm()
         raggedfsdp.fully_shard(ours.embed).set_unshard_in_backward(False)
         for block in ours.blocks:
             block.compile(backend="aot_eager")

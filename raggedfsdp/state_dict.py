@@ -53,11 +53,7 @@ def get_model_state_dict(
 ) -> dict[str, Any]:
     """torch's ``get_model_state_dict``; with ``full_state_dict=True`` RaggedTensors are
     gathered too."""
-    options = options or StateDictOptions()
-    if not options.full_state_dict:
-        return _torch.get_model_state_dict(model, submodules=submodules, options=options)
-    state = _torch.get_model_state_dict(model, submodules=submodules, options=_on_all(options))
-    return _gathered(state, options.cpu_offload)
+    return _get(_torch.get_model_state_dict, (model,), submodules, options)
 
 
 def get_optimizer_state_dict(
@@ -69,15 +65,7 @@ def get_optimizer_state_dict(
 ) -> dict[str, Any]:
     """torch's ``get_optimizer_state_dict``; with ``full_state_dict=True`` RaggedTensor states
     (``exp_avg``...) are gathered too."""
-    options = options or StateDictOptions()
-    if not options.full_state_dict:
-        return _torch.get_optimizer_state_dict(
-            model, optimizers, submodules=submodules, options=options
-        )
-    state = _torch.get_optimizer_state_dict(
-        model, optimizers, submodules=submodules, options=_on_all(options)
-    )
-    return _gathered(state, options.cpu_offload)
+    return _get(_torch.get_optimizer_state_dict, (model, optimizers), submodules, options)
 
 
 def get_state_dict(
@@ -94,10 +82,19 @@ def get_state_dict(
     )
 
 
-def _on_all(options: StateDictOptions) -> StateDictOptions:
-    """torch's pass without offloading: with ``cpu_offload`` it would empty every rank but 0
-    before the RaggedTensors, whose gathers need every rank, are gathered."""
-    return replace(options, cpu_offload=False)
+def _get(
+    torch_get: Callable[..., dict[str, Any]],
+    args: tuple[Any, ...],
+    submodules: set[nn.Module] | None,
+    options: StateDictOptions | None,
+) -> dict[str, Any]:
+    options = options or StateDictOptions()
+    if not options.full_state_dict:
+        return torch_get(*args, submodules=submodules, options=options)
+    # torch's pass without offloading: with ``cpu_offload`` it would empty every rank but 0
+    # before the RaggedTensors, whose gathers need every rank, are gathered
+    state = torch_get(*args, submodules=submodules, options=replace(options, cpu_offload=False))
+    return _gathered(state, options.cpu_offload)
 
 
 def _gathered(state: dict[str, Any], cpu_offload: bool) -> dict[str, Any]:
@@ -122,10 +119,7 @@ def set_model_state_dict(
 ) -> Any:
     """torch's ``set_model_state_dict``; a full state dict is cut to each RaggedTensor
     parameter's piece first (streamed from rank 0 with ``broadcast_from_rank0``)."""
-    options = options or StateDictOptions()
-    if options.full_state_dict:
-        model_state_dict = _pieces(model, model_state_dict, options, _model_fqn)
-        options = replace(options, full_state_dict=False, broadcast_from_rank0=False)
+    model_state_dict, options = _cut(model, model_state_dict, options, _model_fqn)
     return _torch.set_model_state_dict(model, model_state_dict, options=options)
 
 
@@ -138,10 +132,7 @@ def set_optimizer_state_dict(
 ) -> None:
     """torch's ``set_optimizer_state_dict``; a full state dict (nested or flattened) is cut to
     the pieces of the RaggedTensor parameters its states belong to first."""
-    options = options or StateDictOptions()
-    if options.full_state_dict:
-        optim_state_dict = _pieces(model, optim_state_dict, options, _optimizer_fqn)
-        options = replace(options, full_state_dict=False, broadcast_from_rank0=False)
+    optim_state_dict, options = _cut(model, optim_state_dict, options, _optimizer_fqn)
     _torch.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
 
 
@@ -182,14 +173,20 @@ def _optimizer_fqn(keys: list[Any]) -> str | None:
     return None
 
 
-def _pieces(
+def _cut(
     model: nn.Module,
     state: dict[str, Any],
-    options: StateDictOptions,
+    options: StateDictOptions | None,
     fqn_of: Callable[[list[Any]], str | None],
-) -> dict[str, Any]:
-    """``state`` with every tensor shaped like a RaggedTensor parameter it belongs to replaced
-    by this rank's piece of it (a copy on the parameter's device, so the full tensor can go)."""
+) -> tuple[dict[str, Any], StateDictOptions]:
+    """A full state dict as torch's sharded one (and the options to load it with): every
+    tensor shaped like the RaggedTensor parameter it belongs to replaced by this rank's piece
+    of it (a copy on the parameter's device, so the full tensor can go). Other state dicts
+    pass unchanged."""
+    options = options or StateDictOptions()
+    if not options.full_state_dict:
+        return state, options
+    sharded = replace(options, full_state_dict=False, broadcast_from_rank0=False)
     params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
     broadcast = options.broadcast_from_rank0 and dist.is_initialized()
     leaves, spec = tree_flatten_with_path(state)
@@ -202,7 +199,7 @@ def _pieces(
         if broadcast and isinstance(leaf, (_TensorMeta, torch.Tensor)):
             leaf = _receive(leaf, param.device if param is not None else device)
         out.append(_piece(leaf, param))
-    return tree_unflatten(out, spec)
+    return tree_unflatten(out, spec), sharded
 
 
 def _announced_by_rank0(leaves: list[tuple[Any, Any]], spec: Any) -> tuple[list, Any]:

@@ -53,6 +53,11 @@ def train(model, opt, steps: int, start: int = 0, sharded: bool = True, clip: fl
     return losses
 
 
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter gathered whole (ours or FSDP2's), by name."""
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
 def max_diff(sharded: nn.Module, reference: nn.Module) -> float:
     diffs = []
     for (name, p), (ref_name, q) in zip(

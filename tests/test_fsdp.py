@@ -16,6 +16,7 @@ from raggedfsdp.sharding import RaggedShard, RaggedTensor, row_units
 from tests.fsdp_training import (
     ROWS,
     counting,
+    full_params,
     max_diff,
     my_rows,
     shard_blocks,
@@ -58,8 +59,8 @@ def _parity(steps: int, checkpoint: bool) -> dict:
         peer_opt.zero_grad()
         dist.all_reduce(loss := loss.detach().clone(), op=dist.ReduceOp.AVG)
         peer_losses.append(loss.item())
-    peer_params = {n: p.full_tensor() for n, p in peer.named_parameters()}
-    ours_params = {n: p.full_tensor() for n, p in ours.named_parameters()}
+    peer_params = full_params(peer)
+    ours_params = full_params(ours)
     return {
         "vs_reference": max_diff(ours, reference),
         "loss_vs_reference": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
@@ -94,7 +95,7 @@ def _hsdp_vs_fsdp(steps: int) -> float:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     hsdp = shard_blocks(make_model(), mesh=mesh)
     hsdp_losses = train(hsdp, torch.optim.AdamW(hsdp.parameters(), lr=1e-2), steps)
-    params = {n: p.full_tensor() for n, p in flat.named_parameters()}
+    params = full_params(flat)
     diff = max((p.full_tensor() - params[n]).abs().max().item() for n, p in hsdp.named_parameters())
     return max(diff, max(abs(a - b) for a, b in zip(flat_losses, hsdp_losses, strict=True)))
 
@@ -285,7 +286,7 @@ def _save(path: str, steps: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, opt, steps)
     dcp.save({"model": model.state_dict()}, checkpoint_id=path)
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    full = full_params(model)
     return full
 
 
@@ -295,7 +296,7 @@ def _load(path: str) -> dict:
     model = shard_blocks(make_model(seed=123))  # different init: everything must come from disk
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=path)
-    return {n: p.full_tensor() for n, p in model.named_parameters()}
+    return full_params(model)
 
 
 def test_dcp_save_at_4_load_at_3_and_1(dist_pool, tmp_path):
@@ -493,7 +494,7 @@ def _torchtitan_parity(steps: int) -> dict:
     kept, embed_freed = group.is_unsharded, not ours.embed._raggedfsdp_state.group.is_unsharded
     logits.sum().backward()
     ours.zero_grad()
-    peer_params = {n: p.full_tensor() for n, p in peer.named_parameters()}
+    peer_params = full_params(peer)
     diffs = [
         (p.full_tensor() - peer_params[n]).abs().max().item() for n, p in ours.named_parameters()
     ]
@@ -603,7 +604,7 @@ def _compiled(whole_model: bool) -> dict:
         for step in range(3):
             train(model, opt, 1, start=step)
             graphs.append(counters["stats"]["unique_graphs"])
-        params[compiled] = {n: p.full_tensor() for n, p in model.named_parameters()}
+        params[compiled] = full_params(model)
     return {
         "bitwise_eager": all(torch.equal(params[True][n], t) for n, t in params[False].items()),
         "graphs_per_step": graphs[3:],

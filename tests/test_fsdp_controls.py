@@ -16,17 +16,20 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from raggedfsdp import fully_shard, register_fsdp_forward_method
 from raggedfsdp.sharding import RaggedTensor
-from tests.fsdp_training import ROWS, counting, my_rows, shard_blocks, torchtitan_wrap
+from tests.fsdp_training import (
+    ROWS,
+    counting,
+    full_params,
+    my_rows,
+    shard_blocks,
+    torchtitan_wrap,
+)
 from tests.tiny_models import batch, loss_fn, make_model
 
 
 def _rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     inputs, targets = batch(step, ROWS)
     return my_rows(inputs), my_rows(targets)
-
-
-def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor() for n, p in model.named_parameters()}
 
 
 def _full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,7 +77,7 @@ def _explicit_prefetch(steps: int) -> dict:
                 ParamGroup.unshard = unshard
             opt.step()
             opt.zero_grad()
-    ours_params, peer_params = _full_params(ours), _full_params(peer)
+    ours_params, peer_params = full_params(ours), full_params(peer)
     return {
         "gathers_started": started,
         "vs_fsdp2": _max_abs_diff(ours_params, peer_params),
@@ -136,7 +139,7 @@ def _root_resharded_after_forward(steps: int) -> dict:
                 root_gathers, freed = calls["root (TinyTransformer)"], freed_after_forward
             opt.step()
             opt.zero_grad()
-    ours_params, peer_params = _full_params(ours), _full_params(peer)
+    ours_params, peer_params = full_params(ours), full_params(peer)
     return {
         "root_freed_after_forward": freed,
         "root_gathers_per_step": root_gathers,
@@ -176,7 +179,7 @@ def _embedding_not_gathered_in_backward(steps: int) -> dict:
             opt.step()
             opt.zero_grad()
     params = {
-        name: _full_params(m) for name, m in zip(("ours", "peer", "default"), models, strict=True)
+        name: full_params(m) for name, m in zip(("ours", "peer", "default"), models, strict=True)
     }
     return {
         "embed_gathers": gathers["ours"]["embed"],
@@ -213,7 +216,7 @@ def _needed_in_backward_fails_loudly_and_recovers() -> dict:
         opt.step()
     result["recovered_bitwise"] = all(
         torch.equal(a, b)
-        for a, b in zip(_full_params(model).values(), _full_params(fresh).values(), strict=True)
+        for a, b in zip(full_params(model).values(), full_params(fresh).values(), strict=True)
     )
     return result
 
@@ -421,7 +424,7 @@ def test_register_fsdp_forward_method_matches_fsdp2(pool):
 def _async_unshard_handle() -> dict:
     model = shard_blocks(make_model())
     layer = model.layers[0]
-    expected = _full_params(layer)
+    expected = full_params(layer)
     handle = layer.unshard(async_op=True)
     handle.wait()
     unsharded = dict(layer.named_parameters())

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from raggedfsdp import fully_shard
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
-from tests.fsdp_training import max_diff, shard_blocks, train
+from tests.fsdp_training import full_params, max_diff, shard_blocks, train
 from tests.tiny_models import TinyTransformer, batch, loss_fn, make_model
 
 
@@ -47,12 +47,8 @@ def _views_of_flat_buffers(model: nn.Module) -> bool:
     )
 
 
-def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor() for n, p in model.named_parameters()}
-
-
 def _equal(a: nn.Module, b: nn.Module) -> bool:
-    full_a, full_b = _full(a), _full(b)
+    full_a, full_b = full_params(a), full_params(b)
     return full_a.keys() == full_b.keys() and all(torch.equal(full_a[n], full_b[n]) for n in full_a)
 
 
@@ -103,7 +99,7 @@ def _round_trip_through_meta(steps: int) -> dict:
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (moved, stayed)]
     for model, opt in zip((moved, stayed), opts, strict=True):
         train(model, opt, steps)
-    saved = _full(moved)
+    saved = full_params(moved)
     same_device = moved.to("cpu")  # nothing to convert: the same buffers
     kept = _views_of_flat_buffers(moved) and _equal(moved, stayed)
     moved.to("meta")
@@ -139,7 +135,7 @@ def _refused_conversions() -> dict:
     model = shard_blocks(make_model())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, opt, 1)
-    before = _full(model)
+    before = full_params(model)
     errors = {}
     try:
         model.half()

@@ -1,12 +1,13 @@
 """``clip_grad_norm_`` over ragged shards: one scalar all-reduce per shard group.
 
 Each rank's pieces are disjoint, so summing ``|g|^p`` over local pieces and all-reducing that
-one number per shard group gives the exact global norm. (``torch.nn.utils.clip_grad_norm_``
-works on RaggedTensor gradients too, through whole-tensor norms with one all-reduce per call;
-this one accumulates in fp32 whatever the gradients' dtype, so bf16 gradients lose nothing to
-per-tensor bf16 norms.) Plain (replicated) gradients are
+one number per shard group gives the exact global norm. Plain (replicated) gradients are
 identical on every rank and are added once, after the reduction. With HSDP the replicas hold
 identical sharded gradients, so only the shard group is reduced.
+
+``torch.nn.utils.clip_grad_norm_`` works on RaggedTensor gradients too, through whole-tensor
+norms with one all-reduce per call; this one accumulates in fp32 whatever the gradients' dtype,
+so bf16 gradients lose nothing to per-tensor bf16 norms.
 """
 
 from __future__ import annotations

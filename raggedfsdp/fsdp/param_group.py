@@ -199,21 +199,17 @@ class ParamGroup:
             segment = fn(self.master.shard)
             if segment is self.master.shard:
                 return False
-            grads = [
-                None if mp.sharded.grad is None else fn(mp.sharded.grad.local) for mp in self.params
-            ]
+            grads = [None if mp.sharded.grad is None else fn(mp.sharded.grad) for mp in self.params]
         old = [mp.sharded for mp in self.params]
         self._build_storage(segment.device)
         self.master.load_shard(segment)
-        rank, group = self.mesh.shard_rank, self.mesh.shard_group
         for mp, param, grad in zip(self.params, old, grads, strict=True):
             attributes = dict(param.__dict__)
             param.grad = None
             torch.utils.swap_tensors(param, mp.sharded)
             param.__dict__.update(attributes)
             mp.sharded = param
-            if grad is not None:
-                param.grad = RaggedTensor(grad, self.layout.shards[mp.fqn], rank, group)
+            param.grad = grad  # a RaggedTensor too: fn ran on it
         self._gathered_version = -1
         self.use_sharded_params()
         return True

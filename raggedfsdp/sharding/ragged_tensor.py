@@ -82,12 +82,7 @@ class RaggedTensor(torch.Tensor):
                 f"local: rank {rank} of tensor {spec.name!r} holds {spec.length(rank)} elements "
                 f"as a 1-D tensor, got shape {tuple(local.shape)}"
             )
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, spec.shape, dtype=local.dtype, device=local.device, requires_grad=requires_grad
-        )
-        out._local, out._spec, out._rank = local, spec, rank
-        out._group_ref = _GroupRef(group)
-        return out
+        return _assemble(local, spec, rank, _GroupRef(group), requires_grad)
 
     @property
     def _group(self) -> dist.ProcessGroup | None:
@@ -203,19 +198,28 @@ class RaggedTensor(torch.Tensor):
 
 
 # --------------------------------------------------------------------------------- op handlers
+def _assemble(
+    local: torch.Tensor,
+    spec: RaggedShard,
+    rank: int,
+    group_ref: _GroupRef,
+    requires_grad: bool = False,
+) -> RaggedTensor:
+    out = torch.Tensor._make_wrapper_subclass(
+        RaggedTensor,
+        spec.shape,
+        dtype=local.dtype,
+        device=local.device,
+        requires_grad=requires_grad,
+    )
+    out._local, out._spec, out._rank, out._group_ref = local, spec, rank, group_ref
+    return out
+
+
 def _sibling(local: torch.Tensor, like: RaggedTensor) -> RaggedTensor:
     """A RaggedTensor split as ``like`` (sharing its process-group reference) around ``local``:
     what every op's result is, so it skips ``__new__``'s checks."""
-    out = torch.Tensor._make_wrapper_subclass(
-        RaggedTensor, like._spec.shape, dtype=local.dtype, device=local.device
-    )
-    out._local, out._spec, out._rank, out._group_ref = (
-        local,
-        like._spec,
-        like._rank,
-        like._group_ref,
-    )
-    return out
+    return _assemble(local, like._spec, like._rank, like._group_ref)
 
 
 def _spec_of(tensors: list[RaggedTensor]) -> RaggedTensor:

@@ -20,12 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import raggedfsdp
-import raggedfsdp.state_dict
 from raggedfsdp.sharding import ShardPolicy
+from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
 from recipes.llama.model import Transformer
 
@@ -150,13 +149,11 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     return model
 
 
-def full_weights(model: nn.Module, cfg: Config) -> dict[str, torch.Tensor]:
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights as plain CPU tensors on rank 0 (``{}`` on the others), for an
-    unsharded model or another framework. raggedfsdp's ``state_dict`` module is torch's with
-    RaggedTensors gathered (torch's gathers DTensors only)."""
+    unsharded model or another framework. raggedfsdp's ``state_dict`` is torch's with
+    RaggedTensors gathered too, so it serves ``--fsdp fsdp2``'s DTensors as well."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if cfg.fsdp == "raggedfsdp":
-        return raggedfsdp.state_dict.get_model_state_dict(model, options=options)
     return get_model_state_dict(model, options=options)
 
 

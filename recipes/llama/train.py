@@ -245,7 +245,7 @@ def train(
                 break
 
     if cfg.export_weights:
-        weights = full_weights(model, cfg)  # a collective: every rank takes part
+        weights = full_weights(model)  # a collective: every rank takes part
         if env.is_main:
             torch.save(weights, Path(cfg.run_dir) / "model.pt")
     result.wall_time_s = time.perf_counter() - start_time
