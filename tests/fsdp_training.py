@@ -82,9 +82,12 @@ def torchtitan_wrap(model: nn.Module, wrap) -> nn.Module:
 
 
 @contextmanager
-def counting(collective: str, model: nn.Module | None = None) -> Iterator[Counter]:
+def counting(
+    collective: str, model: nn.Module | None = None, by_size: bool = False
+) -> Iterator[Counter]:
     """Count ``collective`` calls (e.g. ``all_gather_flat``) per group of ``model`` (keyed by
-    the group's name; ``"?"`` for buffers that are not a group's, or without a model)."""
+    the group's name; ``"?"`` for buffers that are not a group's, or without a model), and
+    with ``by_size`` by (name, number of ranks the collective ran over)."""
     names = {}
     for m in model.modules() if model is not None else []:
         group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
@@ -94,7 +97,8 @@ def counting(collective: str, model: nn.Module | None = None) -> Iterator[Counte
     original = getattr(param_group_module, collective)
 
     def counted(*args, **kwargs):
-        calls[names.get(id(args[0]), "?")] += 1
+        name = names.get(id(args[0]), "?")
+        calls[(name, dist.get_world_size(args[2])) if by_size else name] += 1
         return original(*args, **kwargs)
 
     setattr(param_group_module, collective, counted)

@@ -1,8 +1,8 @@
 """FSDP2's run-time controls on fully_shard-ed modules: explicit prefetch lists, skipping the
-backward all-gather, keeping parameters after backward, HSDP accumulation without the
-all-reduce, a custom gradient divide factor, extra forward methods and async unshard handles.
-Each is checked against FSDP2 (same settings) or a one-process reference, and by counting the
-collectives it is meant to save."""
+backward all-gather, keeping parameters after backward, resharding to a subgroup after forward,
+HSDP accumulation without the all-reduce, a custom gradient divide factor, extra forward methods
+and async unshard handles. Each is checked against FSDP2 (same settings) or a one-process
+reference, and by counting the collectives it is meant to save."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from raggedfsdp import fully_shard, register_fsdp_forward_method
+from raggedfsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from raggedfsdp.sharding import RaggedTensor
 from tests.fsdp_training import (
     ROWS,
@@ -157,6 +157,111 @@ def test_root_resharded_after_forward_when_asked_as_fsdp2(pool, world_size):
         assert res["vs_fsdp2"] < 1e-6, res
         if world_size == 2:
             assert res["bitwise_fsdp2"], res
+
+
+# ------------------------------------------------------------------------ reshard to a subgroup
+def _resharded_to_subgroup(steps: int, mixed: bool, checkpoint: bool) -> dict:
+    """Blocks wrapped with ``reshard_after_forward=2`` at W=4, beside ours with ``True`` and
+    FSDP2 with ``2``: the same training; after forward each block keeps its rank's half of the
+    gathered buffer, and backward gathers over 2 ranks from it."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    models = []
+    for wrap, after_forward in ((fully_shard, 2), (fully_shard, True), (fsdp2_fully_shard, 2)):
+        model = make_model()
+        model.checkpoint = checkpoint
+        kwargs = {"mesh": mesh, "mp_policy": policy} if mixed else {"mesh": mesh}
+        for layer in model.layers:
+            wrap(layer, reshard_after_forward=after_forward, **kwargs)
+        models.append(wrap(model, **kwargs))
+    ours = models[0]
+    block = ours.layers[1]._raggedfsdp_state.group
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(steps):
+        for model, opt in zip(models, opts, strict=True):
+            with counting("all_gather_flat", ours, by_size=True) as calls:
+                loss = loss_fn(model, *_rows(step % 2))
+                if model is ours:  # the chunk kept: this rank's half of the gathered buffer
+                    kept = block._post_forward[1].clone()
+                    freed = not block.compute.is_full_allocated
+                loss.backward()
+            if model is ours:
+                gathers = dict(calls)
+                chunk = kept.numel()
+                # the full buffer, gathered over all ranks: the chunk is its slice
+                segments = [torch.empty_like(block.compute.shard) for _ in range(4)]
+                block.compute.shard.copy_(block.master.shard)
+                dist.all_gather(segments, block.compute.shard)
+                full = torch.cat(segments)
+                j = dist.get_rank() % 2
+                chunk_is_slice = torch.equal(kept, full[j * chunk : (j + 1) * chunk])
+            opt.step()
+            opt.zero_grad()
+    with torch.no_grad():  # no backward follows: nothing is kept
+        loss_fn(ours, *_rows(0))
+    params = [full_params(m) for m in models]
+    return {
+        "chunk_fraction": chunk / block.layout.buffer_numel,
+        "freed": freed,
+        "chunk_is_slice": chunk_is_slice,
+        "gathers": gathers,
+        "kept_without_grad": block._post_forward is not None,
+        "bitwise_true": all(torch.equal(params[0][n], params[1][n]) for n in params[0]),
+        "vs_fsdp2": _max_abs_diff(params[0], params[2]),
+    }
+
+
+@pytest.mark.parametrize("world_size", [4])
+@pytest.mark.parametrize(("mixed", "checkpoint"), [(False, False), (True, True)])
+def test_reshard_after_forward_int_gathers_backward_over_the_subgroup(pool, mixed, checkpoint):
+    for res in pool.run(_resharded_to_subgroup, 2, mixed, checkpoint):
+        assert res["freed"] and res["chunk_fraction"] == 0.5 and res["chunk_is_slice"], res
+        assert not res["kept_without_grad"], res
+        for i in range(3):  # each block: forward over 4 ranks, backward over 2
+            assert res["gathers"][(f"layers.{i}", 4)] == 1, res
+            assert res["gathers"][(f"layers.{i}", 2)] == 1, res
+        assert res["bitwise_true"], res
+        assert res["vs_fsdp2"] < 2e-5, res
+
+
+def _reshard_after_forward_bad_input() -> dict:
+    errors = {}
+    for value in (3, 0, "2", 2.0):
+        model = make_model()
+        before = {n: p.clone() for n, p in model.named_parameters()}
+        try:
+            fully_shard(model.layers[0], reshard_after_forward=value)
+        except (TypeError, ValueError) as e:
+            errors[repr(value)] = f"{type(e).__name__}: {e}"
+        untouched = not hasattr(model.layers[0], "_raggedfsdp_state") and all(
+            torch.equal(p, before[n]) for n, p in model.named_parameters()
+        )
+        errors[f"{value!r} untouched"] = untouched
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fully_shard(model.layers[0], reshard_after_forward=1)
+    errors["1"] = model.layers[0]._raggedfsdp_state.reshard_after_forward
+    errors["1 warns"] = any("reshard_after_forward=1" in str(w.message) for w in caught)
+    errors["4"] = fully_shard(model.layers[1], reshard_after_forward=4)._raggedfsdp_state
+    errors["4"] = errors["4"].reshard_after_forward
+    try:
+        model.layers[0].set_reshard_after_forward(2)
+    except TypeError as e:
+        errors["set"] = str(e)
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_reshard_after_forward_int_bad_input(pool):
+    res = pool.run(_reshard_after_forward_bad_input)[0]
+    assert "one of [1, 2, 4]" in res["3"] and "one of [1, 2, 4]" in res["0"], res
+    assert res["'2'"].startswith("TypeError") and "reshard_after_forward" in res["2.0"], res
+    assert all(v for k, v in res.items() if k.endswith("untouched")), res
+    assert res["1"] is False and res["1 warns"] and res["4"] is True, res
+    assert "fully_shard(..., reshard_after_forward=<int>)" in res["set"], res
 
 
 # ----------------------------------------------------------------------------- unshard in backward

@@ -13,7 +13,14 @@ from raggedfsdp.comm.collectives import (
 )
 from raggedfsdp.comm.errors import CollectiveError, failing_as
 from raggedfsdp.comm.handle import CommHandle
-from raggedfsdp.comm.mesh import ShardMesh, group_rank, group_size, resolve_group, resolve_mesh
+from raggedfsdp.comm.mesh import (
+    ShardMesh,
+    group_rank,
+    group_size,
+    resolve_group,
+    resolve_mesh,
+    shard_subgroup,
+)
 
 __all__ = [
     "CollectiveError",
@@ -29,4 +36,5 @@ __all__ = [
     "reduce_scatter_flat",
     "resolve_group",
     "resolve_mesh",
+    "shard_subgroup",
 ]

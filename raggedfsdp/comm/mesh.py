@@ -18,7 +18,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["ShardMesh", "group_rank", "group_size", "resolve_group", "resolve_mesh"]
+__all__ = [
+    "ShardMesh",
+    "group_rank",
+    "group_size",
+    "resolve_group",
+    "resolve_mesh",
+    "shard_subgroup",
+]
 
 MeshLike = DeviceMesh | ProcessGroup | None
 
@@ -137,3 +144,37 @@ def resolve_mesh(mesh_or_group: MeshLike | ShardMesh = None) -> ShardMesh:
         replicate = mesh_or_group.get_group(0) if mesh_or_group.ndim == 2 else None
         return ShardMesh.from_groups(resolve_group(mesh_or_group), replicate, mesh_or_group)
     return ShardMesh.from_groups(resolve_group(mesh_or_group))
+
+
+# (shard group, size) -> (the shard group, kept alive so its id is not reused; the subgroup)
+_SUBGROUPS: dict[tuple[int, int], tuple[ProcessGroup, ShardMesh]] = {}
+
+
+def shard_subgroup(mesh: ShardMesh, size: int) -> ShardMesh:
+    """The ``size`` consecutive ranks of ``mesh``'s shard dimension that this rank is one of,
+    as a mesh of their own (FSDP2's ``reshard_after_forward=int``: the intra-node ranks, so the
+    backward all-gather stays inside a node). Position ``j`` in it is shard rank ``g*size + j``.
+
+    Only the members of each subgroup create it (``use_local_synchronization``), so a shard
+    group that is part of a larger job needs no call from the other ranks. Created once per
+    (shard group, size) and shared by every ``fully_shard`` call that asks for it.
+    """
+    if mesh.shard_size % size or not 1 <= size <= mesh.shard_size:
+        raise ValueError(f"size: {size} does not divide the shard size {mesh.shard_size}")
+    key = (id(mesh.shard_group), size)
+    cached = _SUBGROUPS.get(key)
+    if cached is not None and cached[0] is mesh.shard_group:
+        return cached[1]
+    group = mesh.shard_group
+    ranks = sorted(dist.get_process_group_ranks(group), key=lambda r: dist.get_group_rank(group, r))
+    first = mesh.shard_rank // size * size
+    subgroup = dist.new_group(
+        ranks[first : first + size],
+        backend=dist.get_backend(group),
+        use_local_synchronization=True,
+        sort_ranks=False,  # position in the list is the rank in the subgroup
+        group_desc=f"shard_subgroup_{size}",
+    )
+    sub = ShardMesh.from_groups(subgroup)
+    _SUBGROUPS[key] = (group, sub)
+    return sub

@@ -16,6 +16,8 @@ the local pieces), and DCP checkpoints them without gathering.
 from __future__ import annotations
 
 import functools
+import operator
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from raggedfsdp.comm import ShardMesh, resolve_mesh
+from raggedfsdp.comm import ShardMesh, resolve_mesh, shard_subgroup
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
 from raggedfsdp.fsdp.state import FSDPState, in_backward, unfinished_backward
@@ -83,6 +85,12 @@ class FSDPModule:
         """Change ``fully_shard``'s ``reshard_after_forward`` at run time (e.g. ``False`` for
         gradient accumulation, or ``True`` on the root, which otherwise keeps its parameters
         for backward)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise TypeError(
+                f"set_reshard_after_forward(reshard_after_forward={reshard_after_forward!r}): "
+                "expected True or False (as FSDP2); resharding to a subgroup is chosen once, "
+                "with fully_shard(..., reshard_after_forward=<int>)"
+            )
         for state in self._states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
@@ -230,7 +238,7 @@ def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | ShardMesh | torch.distributed.ProcessGroup | None = None,
-    reshard_after_forward: bool | None = None,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_policy: ShardPolicy | None = None,
 ) -> nn.Module:
@@ -249,7 +257,11 @@ def fully_shard(
             (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default), as
             FSDP2: ``True``, except for the root, whose backward runs first. An explicit
             ``True`` on the root frees it during the loss's backward too, for one more
-            all-gather.
+            all-gather. An int ``k`` (dividing the shard size ``W``, e.g. the GPUs of one
+            node) keeps this rank's ``1/k`` of the gathered buffer after forward, so backward
+            gathers over ``k`` consecutive shard ranks only (FSDP2's meaning): ``W/k`` times
+            the sharded memory held from forward to backward, for an all-gather that stays
+            inside a node. ``1`` means ``False``, ``W`` means ``True``.
         mp_policy: mixed precision (see ``MixedPrecisionPolicy``).
         shard_policy: ``(fqn, param) -> unit in elements``; default element units, which pad
             least (larger units that cover whole segments force the segment size to a multiple
@@ -263,6 +275,10 @@ def fully_shard(
     """
     modules = _as_module_list(module)
     shard_mesh = resolve_mesh(mesh)
+    reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, shard_mesh)
+    post_forward_mesh = None
+    if type(reshard_after_forward) is int:
+        post_forward_mesh = shard_subgroup(shard_mesh, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = _collect_params(modules)
     owner = " + ".join(type(m).__name__ for m in modules)
@@ -280,7 +296,7 @@ def fully_shard(
         )
         for tensor in originals + [mp.sharded for mp in params]:
             tensor._raggedfsdp_owner = owner
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy, post_forward_mesh)
     for m in modules:
         setattr(m, _STATE, state)
         m.__class__ = _fsdp_class(type(m))
@@ -303,6 +319,35 @@ def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     if len({id(m) for m in modules}) != len(modules):
         raise ValueError("fully_shard got the same module twice in its list; pass it once")
     return modules
+
+
+def _check_reshard_after_forward(value: Any, mesh: ShardMesh) -> bool | int | None:
+    """FSDP2's rules for ``reshard_after_forward``: a bool, ``None``, or an int dividing the
+    shard size, where ``1`` means ``False`` and the shard size ``True``."""
+    if value is None or isinstance(value, bool):
+        return value
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"fully_shard(reshard_after_forward={value!r}): expected True, False, None or an "
+            "int (the number of ranks to stay sharded over after forward)"
+        ) from None
+    divisors = [d for d in range(1, mesh.shard_size + 1) if mesh.shard_size % d == 0]
+    if size not in divisors:
+        raise ValueError(
+            f"fully_shard(reshard_after_forward={size}): an int is the number of ranks the "
+            f"parameters stay sharded over after forward (e.g. the GPUs of one node) and must "
+            f"divide the {mesh.shard_size} ranks of the shard dimension: one of {divisors}"
+        )
+    if size == 1:
+        warnings.warn(
+            "fully_shard(reshard_after_forward=1): the int 1 keeps the whole parameters after "
+            "forward (as False); pass True to reshard them",
+            stacklevel=3,
+        )
+        return False
+    return True if size == mesh.shard_size else size
 
 
 def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:

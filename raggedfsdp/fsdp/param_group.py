@@ -105,6 +105,8 @@ class ParamGroup:
         self._gathered_version = -1  # _master_version() when the last gather started
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced
         self._partial_received: set[int] = set()
+        # reshard_after_forward=int: (subgroup, this rank's chunk of the gathered buffer)
+        self._post_forward: tuple[ShardMesh, torch.Tensor] | None = None
         # FSDP2's per-group settings (``FSDPModule.set_*``)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -161,7 +163,7 @@ class ParamGroup:
         gathered or holds gradients not yet reduced, one that changes the dtype (the plan and
         the optimizer state are in it), or one to a device type the mesh does not communicate
         on."""
-        if self.is_unsharded or self._gather is not None:
+        if self.is_unsharded or self._gather is not None or self._post_forward is not None:
             busy = "is gathered"
         elif self._reduce is not None or self.has_unreduced_grads or self._partial is not None:
             busy = "holds gradients not yet reduced"
@@ -216,34 +218,41 @@ class ParamGroup:
 
     # ----------------------------------------------------------------------------- all-gather
     def unshard(self, async_op: bool = False) -> None:
-        """Start (or finish) the all-gather of the parameters into the compute buffer.
+        """Start (or finish) the all-gather of the parameters into the compute buffer: over the
+        subgroup from this rank's post-forward chunk if one was kept (``reshard_after_forward``
+        as an int), else over the shard group from the local segment.
 
-        Unsharded parameters kept from before (``reshard_after_backward=False``, a manual
-        ``unshard()``) are gathered again if the sharded ones changed since (an optimizer step,
-        a checkpoint load)."""
+        Unsharded parameters (or a chunk) kept from before (``reshard_after_backward=False``, a
+        manual ``unshard()``) are gathered again if the sharded ones changed since (an
+        optimizer step, a checkpoint load)."""
         if self.device.type == "meta":
             raise RuntimeError(
                 f"fully_shard group {self.name!r} is on the meta device: call "
                 "module.to_empty(device=...) and initialise its parameters (e.g. "
                 "model.init_weights()) before the first forward"
             )
-        if self.is_unsharded and self._master_version() != self._gathered_version:
+        stale = self._master_version() != self._gathered_version
+        if stale and (self.is_unsharded or self._post_forward is not None):
             self.reshard()
         if self.is_unsharded or self._gather is not None:
             if not async_op:
                 self.wait_for_unshard()
             return
         with torch.no_grad():
-            if self.compute is not self.master:
-                self.compute.shard.copy_(self.master.shard)  # cast fp32 -> param_dtype (1/W)
+            if self._post_forward is not None:
+                mesh, chunk = self._post_forward
+            else:
+                mesh, chunk = self.mesh, self.compute.shard
+                if self.compute is not self.master:
+                    self.compute.shard.copy_(self.master.shard)  # cast fp32 -> param_dtype (1/W)
+                self._gathered_version = self._master_version()
             full = self.compute.alloc_full()
             self._version = full._version
-            self._gathered_version = self._master_version()
             with self._failing_as("all-gather"):
                 self._gather = all_gather_flat(
                     full,
-                    self.compute.shard,
-                    self.mesh.shard_group,
+                    chunk,
+                    mesh.shard_group,
                     async_op=async_op,
                     comm_stream=self._comm_streams()[0],
                 )
@@ -265,19 +274,30 @@ class ParamGroup:
         gather, self._gather = self._gather, None
         with self._failing_as("all-gather"):
             gather.wait()
+        self._post_forward = None  # gathered from it (the handle held it until now)
         # The collective rewrote the storage that saved activations of the unsharded params
         # point at, with the data they had: undo the version bump (which gloo makes whenever
         # the work completes) so autograd's in-place check stays quiet, as FSDP2 does.
         torch._C._autograd._unsafe_set_version_counter((self.compute.full,), (self._version,))
 
-    def reshard(self, free: bool = True) -> None:
+    def reshard(self, free: bool = True, keep_for: ShardMesh | None = None) -> None:
         """Point the modules back at the sharded parameters and free the unsharded memory
-        (``free=False`` keeps it for the next forward: ``reshard_after_backward=False``)."""
+        (``free=False`` keeps it for the next forward: ``reshard_after_backward=False``).
+
+        ``keep_for``, a subgroup of the shard ranks (``reshard_after_forward`` as an int), keeps
+        a copy of this rank's chunk of the gathered buffer, ``1/keep_for.shard_size`` of it, so
+        that backward gathers over the subgroup only (FSDP2 keeps the same memory)."""
         if self._gather is not None:  # a prefetch that was never used: its buffer goes too
             self._wait_gather()
             self.is_unsharded = True
         self.use_sharded_params()
+        self._post_forward = None
         if self.is_unsharded and free:
+            if keep_for is not None:
+                full = self.compute.full
+                size = full.numel() // keep_for.shard_size
+                start = keep_for.shard_rank * size
+                self._post_forward = (keep_for, full[start : start + size].clone())
             self.compute.free_full()
             self.is_unsharded = False
 

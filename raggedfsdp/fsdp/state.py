@@ -7,12 +7,13 @@ from then on:
 * pre-forward: finish (or start) the group's all-gather, point the module at the unsharded
   parameters, and start prefetching the next group in the recorded forward order (or the
   modules ``set_modules_to_forward_prefetch`` named);
-* post-forward: reshard (unless asked not to, or by default the root, whose backward comes
-  first; under ``torch.no_grad`` the root too, and groups asked to keep their parameters keep
-  only the memory, showing the sharded parameters again) and hook the outputs so the
-  group is gathered again (unless ``set_unshard_in_backward(False)``), and the one before it
-  (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their gradients
-  arrive;
+* post-forward: reshard (keeping a chunk for a subgroup's all-gather if
+  ``reshard_after_forward`` is an int; not at all if asked not to, or by default the root,
+  whose backward comes first; under ``torch.no_grad`` the root too, and groups asked to keep
+  their parameters keep only the memory, showing the sharded parameters again) and hook the
+  outputs so the group is gathered again (unless ``set_unshard_in_backward(False)``), and the
+  one before it (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their
+  gradients arrive;
 * backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
   has them all, its parameters are freed, the gradients go into the flat gradient buffer and
   its reduce-scatter starts asynchronously;
@@ -42,6 +43,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from raggedfsdp.comm import ShardMesh
 from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
@@ -167,13 +169,15 @@ class FSDPState:
         self,
         modules: list[nn.Module],
         group: ParamGroup | None,
-        reshard_after_forward: bool | None,
+        reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
+        post_forward_mesh: ShardMesh | None = None,
     ) -> None:
         self.module_refs = [weakref.ref(m) for m in modules]
         self.class_names = [type(m).__name__ for m in modules]  # before fully_shard swaps them
         self.group = group
         self.reshard_after_forward = reshard_after_forward
+        self.post_forward_mesh = post_forward_mesh  # the subgroup an int resharded to
         self.mp_policy = mp_policy
         self.ctx: RootContext | None = None
         self.is_root = False
@@ -271,7 +275,9 @@ class FSDPState:
             else:
                 keep = not self.reshard_after_forward
             if self.group is not None and not keep:
-                self.group.reshard()
+                # an int (not a bool) keeps a chunk for backward; no backward: none needed
+                partial = type(self.reshard_after_forward) is int and torch.is_grad_enabled()
+                self.group.reshard(keep_for=self.post_forward_mesh if partial else None)
             elif self.group is not None and not torch.is_grad_enabled():
                 # No backward will come: the module shows its sharded parameters again (state
                 # dicts, optimizers); the memory stays only where the user asked to keep it
