@@ -12,7 +12,16 @@ medians (ours / FSDP2, lower is better):
   (REFERENCE §6: MALLOC_* variables set before the ranks start, VmHWM reset per step);
 * peak allocated tensor bytes above the step's start, from the profiler's allocator events in
   one extra step: the view a GPU's caching allocator has (a buffer counts in full once
-  allocated, where the kernel makes a CPU buffer resident page by page as it is written).
+  allocated, where the kernel makes a CPU buffer resident page by page as it is written);
+* what no FSDP can go below. The *floor*: both peaks of the same forward and backward on the
+  rank's batch by the unsharded model (same compute dtype and checkpointing) whose parameters
+  and gradients are all allocated beforehand (gradients accumulate in place): activations and
+  autograd's temporaries only, which every FSDP holds on top of its own buffers. The *bound*:
+  the floor's resident peak between every two forward/backward boundaries of its modules plus
+  the bytes of the group an FSDP wrapped as ``--wrap`` says must have gathered there (the one
+  holding the weights the module computes with; the embedding's backward reads none), the
+  highest of these. bound / FSDP2 is the lowest peak ratio any FSDP can reach with that
+  wrapping.
 
     python benchmarks/fsdp_vs_fsdp2.py [--world-size 2] [--dim 512] [--layers 4] [--steps 8]
         [--activation-checkpointing] [--mixed-precision] [--wrap {blocks,torchtitan}]
@@ -30,6 +39,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -80,10 +90,75 @@ class Model(nn.Module):
         return self.head(self.norm(h))
 
 
-def _peak_above_now(fn) -> float:
-    """Run ``fn`` and return its peak resident memory above the level before it, in MiB."""
+class PhaseRecorder:
+    """Resident memory at every forward/backward boundary of a ``Model``'s embedding, blocks,
+    final norm and head, and wherever ``mark`` is called: rows of (label, MiB now, MiB peak
+    since the previous row), above the level at ``start()`` (VmHWM reset at every row)."""
+
+    def __init__(self, model: Model) -> None:
+        # the embedding's input needs no gradient: its backward hooks fire on outputs, as meant
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        self.rows: list[tuple[str, float, float]] = []
+        self._base = 0
+        for name, module in model_parts(model).items():
+            module.register_forward_pre_hook(lambda *_, n=name: self.mark(f"forward {n} start"))
+            module.register_forward_hook(lambda *_, n=name: self.mark(f"forward {n} end"))
+            module.register_full_backward_pre_hook(
+                lambda *_, n=name: self.mark(f"backward {n} start")
+            )
+            module.register_full_backward_hook(lambda *_, n=name: self.mark(f"backward {n} end"))
+
+    def start(self) -> None:
+        self.rows.clear()
+        _reset_peak()
+        self._base = status_kib("VmRSS")
+
+    def mark(self, label: str) -> None:
+        rss, hwm = status_kib("VmRSS"), status_kib("VmHWM")
+        self.rows.append((label, (rss - self._base) / 1024, (hwm - self._base) / 1024))
+        _reset_peak()
+
+    def bound(self, needs: dict[str, int]) -> float:
+        """The highest peak with ``needs[label]`` bytes added to the interval ending at
+        ``label``."""
+        return max(peak + needs.get(label, 0) / 2**20 for label, _, peak in self.rows)
+
+
+def model_parts(model: Model) -> dict[str, nn.Module]:
+    """The modules the phase rows are named after, in forward order."""
+    blocks = {f"layers.{i}": block for i, block in enumerate(model.layers)}
+    return {"embed": model.embed, **blocks, "norm": model.norm, "head": model.head}
+
+
+def gathered_bytes(model: Model, args: argparse.Namespace) -> dict[str, int]:
+    """What an FSDP wrapped as ``args.wrap`` must have gathered while each module computes:
+    the bytes (compute dtype) of the group holding its weights, keyed by the ``PhaseRecorder``
+    label that ends that interval. The embedding's backward reads no weight."""
+    parts = model_parts(model)
+    blocks = [[name] for name in parts if name.startswith("layers.")]
+    if args.wrap == "torchtitan":
+        groups = [["embed"], *blocks, ["norm", "head"]]
+    else:
+        groups = [["embed", "norm", "head"], *blocks]
+    size = 2 if args.mixed_precision else 4
+    needs = {}
+    for names in groups:
+        nbytes = size * sum(p.numel() for name in names for p in parts[name].parameters())
+        for name in names:
+            needs[f"forward {name} end"] = nbytes
+            if name != "embed":
+                needs[f"backward {name} end"] = nbytes
+    return needs
+
+
+def _reset_peak() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def _peak_above_now(fn) -> float:
+    """Run ``fn`` and return its peak resident memory above the level before it, in MiB."""
+    _reset_peak()
     before = status_kib("VmRSS")
     fn()
     return (status_kib("VmHWM") - before) / 1024
@@ -115,10 +190,28 @@ def status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def _model(args: argparse.Namespace) -> Model:
+    """The benchmark model, seeded, its blocks wrapped for activation checkpointing if asked."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = Model(args.vocab, args.dim, args.layers)
+    if args.activation_checkpointing:  # torchtitan style: shard the checkpoint wrapper
+        model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
+    return model
+
+
+def build_floor(args: argparse.Namespace) -> Model:
+    """The no-FSDP floor's model: unsharded, in the compute dtype, every gradient allocated."""
+    model = _model(args).to(torch.bfloat16 if args.mixed_precision else torch.float32)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    return model
+
+
 def build(system: str, args: argparse.Namespace) -> tuple[Model, torch.optim.Optimizer]:
     """The benchmark model wrapped by ``system`` ("ours" or "fsdp2") as ``args`` say, with its
     optimizer; every rank and both systems start from the same weights."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.device_mesh import init_device_mesh
 
     if system == "ours":
@@ -130,10 +223,7 @@ def build(system: str, args: argparse.Namespace) -> tuple[Model, torch.optim.Opt
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    torch.manual_seed(0)
-    model = Model(args.vocab, args.dim, args.layers)
-    if args.activation_checkpointing:  # torchtitan style: shard the checkpoint wrapper
-        model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
+    model = _model(args)
     if args.wrap == "torchtitan":  # the embedding alone; norm + output kept for backward
         fully_shard(model.embed, **kwargs)
     for layer in model.layers:
@@ -178,14 +268,27 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
 
-    def step(name: str) -> float:
-        model, opt = models[name]
+    floor = build_floor(args)
+    phases = PhaseRecorder(floor)
+
+    def floor_peaks() -> tuple[float, float]:
+        phases.start()
+        forward_backward(floor)
+        phases.mark("backward done")
+        return max(peak for _, _, peak in phases.rows), phases.bound(gathered_bytes(floor, args))
+
+    def forward_backward(model: nn.Module) -> float:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
+        return loss.item()
+
+    def step(name: str) -> float:
+        model, opt = models[name]
+        loss = forward_backward(model)
         opt.step()
         opt.zero_grad()
-        return loss.item()
+        return loss
 
     def unshard_reshard(name: str) -> None:
         block = models[name][0].layers[0]
@@ -213,6 +316,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
             )
             times[name]["step"].append(time.perf_counter() - t0)
     allocated = {name: _peak_allocated(lambda n=name: step(n)) for name in models}
+    forward_backward(floor)  # warm-up
+    runs = [floor_peaks() for _ in range(3)]
+    floor_mem, bound = (statistics.median(run[i] for run in runs) for i in (0, 1))
+    floor_allocated = _peak_allocated(lambda: forward_backward(floor))
     if rank == 0:
         out.put(
             {
@@ -220,6 +327,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
                 | {"loss": losses[n], "allocated": allocated[n]}
                 for n, d in times.items()
             }
+            | {"floor": {"mem": floor_mem, "allocated": floor_allocated, "bound": bound}}
         )
     dist.destroy_process_group()
 
@@ -241,12 +349,15 @@ def main() -> None:
         start_method="spawn",
     )
     res = out.get()
-    ours, peer = res["ours"], res["fsdp2"]
+    ours, peer, floor = res["ours"], res["fsdp2"], res["floor"]
     ratios = {
         "unshard_reshard": ours["gather"] / peer["gather"],
         "step": ours["step"] / peer["step"],
         "peak_memory": ours["mem"] / peer["mem"],
         "peak_allocated": ours["allocated"] / peer["allocated"],
+        "floor_peak_memory": floor["mem"] / peer["mem"],
+        "floor_peak_allocated": floor["allocated"] / peer["allocated"],
+        "bound_peak_memory": floor["bound"] / peer["mem"],
     }
     params = sum(p.numel() for p in Model(args.vocab, args.dim, args.layers).parameters())
     print(
@@ -257,6 +368,7 @@ def main() -> None:
                 "params": params,
                 "ours": ours,
                 "fsdp2": peer,
+                "floor": floor,
                 "ratio": ratios,
             }
         )
@@ -279,6 +391,17 @@ def main() -> None:
             f"{label:28s}{ours[key] * scale:12.2f}{peer[key] * scale:12.2f}"
             f"{ours[key] / peer[key]:8.2f}"
         )
+    print("what no FSDP goes below (ratio: to FSDP2's peak), and each one's memory above it:")
+    lowest = [
+        ("bound, this wrapping (MiB)", floor["bound"], peer["mem"]),
+        ("floor, resident (MiB)", floor["mem"], peer["mem"]),
+        ("floor, allocated (MiB)", floor["allocated"], peer["allocated"]),
+    ]
+    for label, value, reference in lowest:
+        print(f"{label:28s}{value:12.2f}{'':12s}{value / reference:8.2f}")
+    for label, key in (("above floor, resident", "mem"), ("above floor, allocated", "allocated")):
+        mine, theirs = ours[key] - floor[key], peer[key] - floor[key]
+        print(f"{label:28s}{mine:12.2f}{theirs:12.2f}{mine / max(theirs, 1e-9):8.2f}")
     print(f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f}")
 
 

@@ -1,7 +1,9 @@
 """Where a training step's memory peaks: resident memory at every phase of one step of
-raggedfsdp.fully_shard or FSDP2 on the fsdp_vs_fsdp2 model (CPU, gloo).
+raggedfsdp.fully_shard or FSDP2 on the fsdp_vs_fsdp2 model (CPU, gloo), or of the no-FSDP
+floor (``floor``: forward and backward of the unsharded model with its gradients allocated,
+what every FSDP holds on top of its own buffers; see fsdp_vs_fsdp2.py).
 
-    python benchmarks/memory_phases.py {ours,fsdp2} [--wrap torchtitan] [--mixed-precision]
+    python benchmarks/memory_phases.py {ours,fsdp2,floor} [--wrap torchtitan] [--mixed-precision]
         [--activation-checkpointing] [--world-size 2] [--dim 512] ...
 
 One row per hook of the step (forward pre/post and backward pre/post of the embedding, each
@@ -16,74 +18,66 @@ from __future__ import annotations
 
 import argparse
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from fsdp_vs_fsdp2 import MALLOC_ENV, add_model_arguments, build, free_port, status_kib
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from fsdp_vs_fsdp2 import (
+    MALLOC_ENV,
+    PhaseRecorder,
+    add_model_arguments,
+    build,
+    build_floor,
+    free_port,
+    gathered_bytes,
+)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    # the embedding's input needs no gradient: its backward hooks fire on outputs, as intended
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     torch.set_num_threads(max(1, os.cpu_count() // world))
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    model, opt = build(args.system, args)
+    if args.system == "floor":  # no FSDP, no optimizer: what every FSDP holds on top of its own
+        model, opt = build_floor(args), None
+    else:
+        model, opt = build(args.system, args)
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-    rows: list[tuple[str, float, float]] = []
-    base = [0]
-
-    def mark(label: str) -> None:
-        rss, hwm = status_kib("VmRSS"), status_kib("VmHWM")
-        rows.append((label, (rss - base[0]) / 1024, (hwm - base[0]) / 1024))
-        _reset_peak()
-
-    parts = [("embed", model.embed), *((f"layers.{i}", b) for i, b in enumerate(model.layers))]
-    for name, module in [*parts, ("norm", model.norm), ("head", model.head)]:
-        module.register_forward_pre_hook(lambda *_, n=name: mark(f"forward {n} start"))
-        module.register_forward_hook(lambda *_, n=name: mark(f"forward {n} end"))
-        module.register_full_backward_pre_hook(lambda *_, n=name: mark(f"backward {n} start"))
-        module.register_full_backward_hook(lambda *_, n=name: mark(f"backward {n} end"))
+    phases = PhaseRecorder(model)
 
     def step() -> None:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        mark("loss")
+        phases.mark("loss")
         loss.backward()
-        mark("backward done")
-        opt.step()
-        mark("optimizer step")
-        opt.zero_grad()
-        mark("zero_grad")
+        phases.mark("backward done")
+        if opt is not None:
+            opt.step()
+            phases.mark("optimizer step")
+            opt.zero_grad()
+            phases.mark("zero_grad")
 
     for _ in range(3):  # warm-up: optimizer state, allocator, gloo connections
         step()
-    rows.clear()
-    _reset_peak()
-    base[0] = status_kib("VmRSS")
+    phases.start()
     step()
     if rank == 0:
-        summit = max(peak for _, _, peak in rows)
+        summit = max(peak for _, _, peak in phases.rows)
         print(f"{args.system}, W={world}: resident MiB above the post-warm-up level")
         print(f"{'phase':28s} {'now':>8s} {'peak since previous row':>24s}")
-        for label, now, peak in rows:
+        for label, now, peak in phases.rows:
             print(f"{label:28s} {now:8.1f} {peak:24.1f}{'  <==' if peak == summit else ''}")
+        if args.system == "floor":
+            bound = phases.bound(gathered_bytes(model, args))
+            print(f"bound for {args.wrap} wrapping (each row + the group it needs): {bound:.1f}")
     dist.destroy_process_group()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("system", choices=("ours", "fsdp2"))
+    parser.add_argument("system", choices=("ours", "fsdp2", "floor"))
     add_model_arguments(parser)
     args = parser.parse_args()
     os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts

@@ -5,7 +5,8 @@
 
 One group of bars per configuration (unshard+reshard, training step, peak resident memory,
 peak allocated tensor bytes); the dashed line at 1.0 is FSDP2, the legend gives the goals of
-the fully_shard issue.
+the fully_shard issue; a black tick on the memory bar marks the bound, the lowest peak ratio
+any FSDP can reach with that configuration's wrapping.
 """
 
 from __future__ import annotations
@@ -47,6 +48,18 @@ def main() -> None:
     for i, (key, name, goal) in enumerate(METRICS):
         xs = [j + i * width for j in range(len(runs))]
         ax.bar(xs, [r["ratio"][key] for r in runs], width, label=f"{name} (goal ≤ {goal})")
+    memory = next(i for i, (key, _, _) in enumerate(METRICS) if key == "peak_memory")
+    bounds = [r["ratio"].get("bound_peak_memory") for r in runs]
+    xs = [j + memory * width for j, b in enumerate(bounds) if b is not None]
+    ax.scatter(
+        xs,
+        [b for b in bounds if b is not None],
+        marker="_",
+        s=300,
+        color="black",
+        label="lowest peak any FSDP can reach (bound)",
+        zorder=3,
+    )
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="FSDP2")
     ax.set_xticks([j + width for j in range(len(runs))], [label(r) for r in runs], fontsize=7)
     ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")

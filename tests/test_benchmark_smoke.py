@@ -26,8 +26,23 @@ def _run(script: str, *args: str) -> str:
 def test_fsdp_vs_fsdp2_reports_ratios_and_equal_losses():
     out = _run("fsdp_vs_fsdp2.py", "--steps", "1", "--gather-repeats", "1", "--wrap", "torchtitan")
     result = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
-    assert set(result["ratio"]) == {"unshard_reshard", "step", "peak_memory", "peak_allocated"}
+    assert set(result["ratio"]) == {
+        "unshard_reshard",
+        "step",
+        "peak_memory",
+        "peak_allocated",
+        "floor_peak_memory",
+        "floor_peak_allocated",
+        "bound_peak_memory",
+    }
     assert result["ours"]["loss"] == result["fsdp2"]["loss"]
+    floor = result["floor"]  # the bound adds gathered weights to the floor's phases
+    assert floor["bound"] > floor["mem"] and floor["bound"] <= result["fsdp2"]["mem"], result
+
+
+def test_memory_phases_floor_reports_the_bound():
+    out = _run("memory_phases.py", "floor")
+    assert "bound for blocks wrapping" in out and "optimizer step" not in out
 
 
 def test_memory_phases_marks_the_summit():
