@@ -268,29 +268,31 @@ def test_reshard_after_forward_int_bad_input(pool):
 def _embedding_not_gathered_in_backward(steps: int) -> dict:
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-    ours = torchtitan_wrap(make_model(), fully_shard)
-    peer = torchtitan_wrap(make_model(), fsdp2_fully_shard)
-    default = torchtitan_wrap(make_model(), fully_shard)
+    names = ("ours", "peer", "default", "forced")
+    ours, peer, default, forced = (
+        torchtitan_wrap(make_model(), wrap)
+        for wrap in (fully_shard, fsdp2_fully_shard, fully_shard, fully_shard)
+    )
     ours.embed.set_unshard_in_backward(False)
     peer.embed.set_unshard_in_backward(False)
-    models = (ours, peer, default)
+    forced.embed.set_unshard_in_backward(True)  # FSDP2's default
+    models = (ours, peer, default, forced)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
     gathers = {}
     for step in range(steps):
-        for name, model, opt in zip(("ours", "peer", "default"), models, opts, strict=True):
+        for name, model, opt in zip(names, models, opts, strict=True):
             with counting("all_gather_flat", model) as calls:
                 loss_fn(model, *_rows(step % 2)).backward()
             gathers[name] = dict(calls)
             opt.step()
             opt.zero_grad()
-    params = {
-        name: full_params(m) for name, m in zip(("ours", "peer", "default"), models, strict=True)
-    }
+    params = {name: full_params(m) for name, m in zip(names, models, strict=True)}
     return {
-        "embed_gathers": gathers["ours"]["embed"],
-        "embed_gathers_default": gathers["default"]["embed"],
-        "bitwise_default": all(
-            torch.equal(params["ours"][n], t) for n, t in params["default"].items()
+        "embed_gathers": {name: gathers[name]["embed"] for name in ("ours", "default", "forced")},
+        "bitwise": all(
+            torch.equal(params["ours"][n], params[other][n])
+            for other in ("default", "forced")
+            for n in params["ours"]
         ),
         "vs_fsdp2": _max_abs_diff(params["ours"], params["peer"]),
     }
@@ -328,10 +330,24 @@ def _needed_in_backward_fails_loudly_and_recovers() -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_unshard_in_backward_false_skips_the_embedding_gather(pool, world_size):
+    """Asked, or by default for an embedding's group; ``True`` gathers it as FSDP2 does."""
     for res in pool.run(_embedding_not_gathered_in_backward, 3):
-        assert (res["embed_gathers"], res["embed_gathers_default"]) == (1, 2), res
-        assert res["bitwise_default"], res  # the embedding's backward never read its weight
+        assert res["embed_gathers"] == {"ours": 1, "default": 1, "forced": 2}, res
+        assert res["bitwise"], res  # the embedding's backward never read its weight
         assert res["vs_fsdp2"] < 1e-6, res
+
+
+def test_only_plain_embedding_groups_skip_the_backward_gather_by_default():
+    class Scaled(nn.Embedding):  # its own forward: it might read the weight in backward
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return super().forward(tokens) * self.weight.norm()
+
+    plain = fully_shard(nn.Embedding(8, 4))
+    scaled = fully_shard(Scaled(8, 4))
+    mixed = fully_shard(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4)))
+    assert not plain._raggedfsdp_state.unshard_in_backward
+    assert scaled._raggedfsdp_state.unshard_in_backward
+    assert mixed._raggedfsdp_state.unshard_in_backward
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -133,7 +133,9 @@ class FSDPModule:
         """``False``: backward does not all-gather this module's parameters, for modules whose
         backward needs none of them (an embedding: its weight gradient needs only the token ids
         and the output gradient). Saves one all-gather of the group per step. If a backward
-        does need them, autograd fails reading freed storage; it never reads stale values."""
+        does need them, autograd fails reading freed storage; it never reads stale values.
+        Already ``False`` for a group holding only weights of plain ``nn.Embedding`` modules
+        (FSDP2 gathers those unless told); ``True`` restores FSDP2's behaviour."""
         self._fsdp_state().unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:

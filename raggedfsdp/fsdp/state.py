@@ -11,7 +11,8 @@ from then on:
   ``reshard_after_forward`` is an int; not at all if asked not to, or by default the root,
   whose backward comes first; under ``torch.no_grad`` the root too, and groups asked to keep
   their parameters keep only the memory, showing the sharded parameters again) and hook the
-  outputs so the group is gathered again (unless ``set_unshard_in_backward(False)``), and the
+  outputs so the group is gathered again (unless ``set_unshard_in_backward(False)``, the
+  default for groups of ``nn.Embedding`` weights, whose backward reads none), and the
   one before it (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their
   gradients arrive;
 * backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
@@ -185,7 +186,7 @@ class FSDPState:
         # ``set_unshard_in_backward``
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self.unshard_in_backward = True
+        self.unshard_in_backward = group is None or not _backward_reads_no_weight(group)
         self._yet_to_run: set[int] = set()  # ids of this forward's modules that have not run
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -317,6 +318,21 @@ class FSDPState:
                 self.ctx.reduce(group)
 
         return hook
+
+
+def _backward_reads_no_weight(group: ParamGroup) -> bool:
+    """Whether every parameter of ``group`` is the weight of a plain ``nn.Embedding`` (its own
+    ``forward``), whose backward needs only the token ids and the output gradient: gathering
+    such a group for backward only costs an all-gather and its memory. FSDP2 gathers it unless
+    told ``set_unshard_in_backward(False)``; here that is the default for such groups. (A
+    recomputation under activation checkpointing still gathers: it runs the forward.)"""
+    return all(
+        name == "weight"
+        and isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        for mp in group.params
+        for module, name in mp.locations
+    )
 
 
 def _prefetch(states: list[FSDPState | None]) -> None:
