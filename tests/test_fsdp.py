@@ -278,6 +278,74 @@ def test_parameters_and_gradients_are_views_of_the_flat_buffers(pool):
         assert all(res.values()), res
 
 
+def _root_freed_after_the_head(variant: str) -> dict:
+    """Whether the root's gathered embedding + head are still held when the last block's
+    backward starts (the head's and norm's gradients are in; only the embedding's, which
+    needs no weights, is still to come)."""
+    model = shard_blocks(make_model())
+    root = model._raggedfsdp_state.group
+    if variant == "frozen head":  # its value may be read later: nothing frees early
+        model.head.weight.requires_grad_(False)
+    if variant == "kept after backward":
+        model.set_reshard_after_backward(False, recurse=False)
+    seen = {}
+
+    def look(*_) -> None:
+        seen["held"] = root.compute.is_full_allocated
+
+    model.layers[-1].register_full_backward_pre_hook(look)
+    with counting("all_gather_flat", model) as calls:
+        loss_fn(model, *batch(0, 2)).backward()
+    # not again in backward (the first block's prefetch); named before the root's lazy init
+    seen["root gathers"] = calls["TinyTransformer"]
+    return seen
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_root_parameters_are_freed_once_only_embedding_gradients_are_missing(pool):
+    """FSDP2 holds them to the end of backward; the parity tests above show the same training."""
+    for variant, held in (("default", False), ("frozen head", True), ("kept after backward", True)):
+        expected = {"held": held, "root gathers": 1}
+        assert pool.run(_root_freed_after_the_head, variant) == [expected] * 2, variant
+
+
+def _frozen_and_unfrozen_after_wrapping(steps: int) -> dict:
+    """The head frozen after a step, and a block weight frozen before wrapping unfrozen after
+    one: with FSDP2 side by side doing the same."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    models = []
+    for wrap in (fully_shard, fsdp2_fully_shard):
+        model = make_model()
+        model.layers[0].w1.weight.requires_grad_(False)
+        models.append(shard_blocks(model, wrap))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    head_before = None
+    for step in range(steps):
+        if step == 1:
+            head_before = models[0].head.weight.full_tensor()
+            for model in models:
+                model.head.weight.requires_grad_(False)
+                model.layers[0].w1.weight.requires_grad_(True)
+        for model, opt in zip(models, opts, strict=True):
+            loss_fn(model, *batch(step % 2, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+    ours, peer = full_params(models[0]), full_params(models[1])
+    return {
+        "head_kept": torch.equal(ours["head.weight"], head_before),
+        "w1_trained": not torch.equal(ours["layers.0.w1.weight"], make_model().layers[0].w1.weight),
+        "vs_fsdp2": max((ours[n] - peer[n]).abs().max().item() for n in ours),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_freezing_after_wrapping_takes_effect_at_the_next_forward(pool):
+    for res in pool.run(_frozen_and_unfrozen_after_wrapping, 3):
+        assert res["head_kept"] and res["w1_trained"], res
+        assert res["vs_fsdp2"] < 1e-6, res
+
+
 # ----------------------------------------------------------------------------- checkpointing
 def _save(path: str, steps: int) -> dict:
     import torch.distributed.checkpoint as dcp

@@ -47,12 +47,14 @@ class ManagedParam:
     fqn: str
     original: nn.Parameter | None
     locations: list[tuple[nn.Module, str]]
-    requires_grad: bool = field(init=False)
     sharded: nn.Parameter = field(init=False)
     unsharded: nn.Parameter = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.requires_grad = self.original.requires_grad
+    @property
+    def requires_grad(self) -> bool:
+        """The user's setting: the sharded parameter's once sharded (freezing or unfreezing it
+        after wrapping takes effect at the next forward, as with FSDP2)."""
+        return (self.original if self.original is not None else self.sharded).requires_grad
 
 
 class ParamGroup:
@@ -99,8 +101,12 @@ class ParamGroup:
         self._version = 0  # the compute buffer's autograd version before the pending gather
         self._reduce: tuple[CommHandle, torch.Tensor] | None = None
         self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
-        self.arrived = 0  # gradients accumulated during the current backward
-        self.num_trainable = sum(mp.requires_grad for mp in params)
+        self.arrived: set[int] = set()  # params whose gradient came in the current backward
+        # Params whose values backward may read: all but weights of plain nn.Embedding modules,
+        # whose backward needs only the token ids and the output gradient.
+        self.read_in_backward = frozenset(
+            i for i, mp in enumerate(params) if not _is_plain_embedding_weight(mp)
+        )
         self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
         self._gathered_version = -1  # _master_version() when the last gather started
         self._partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced
@@ -154,7 +160,14 @@ class ParamGroup:
         self._install("sharded")
 
     def use_unsharded_params(self) -> None:
+        for mp in self.params:
+            if mp.unsharded.requires_grad != mp.sharded.requires_grad:
+                mp.unsharded.requires_grad_(mp.sharded.requires_grad)
         self._install("unsharded")
+
+    @property
+    def num_trainable(self) -> int:
+        return sum(mp.requires_grad for mp in self.params)
 
     # ----------------------------------------------------------------------------- conversion
     def check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -320,11 +333,20 @@ class ParamGroup:
         param.grad = None
         if grad is None:
             return
-        self.arrived += 1
+        self.arrived.add(index)
         if self.grads.is_full_allocated:
             self._write_grad(index, grad)
         else:  # flushed by reduce_grads after the parameters are freed, or at backward's end
             self._held[index] = grad
+
+    @property
+    def done_reading(self) -> bool:
+        """Whether backward has no further use for the unsharded parameters: every one it may
+        read has its gradient (autograd accumulates a leaf's gradient only after every node
+        that takes it as input has run), and the rest are embedding weights, never read. The
+        root then frees its gathered embedding and head right after the head's backward
+        instead of at the end (FSDP2 keeps them)."""
+        return self.read_in_backward <= self.arrived
 
     def flush_held_grads(self) -> None:
         """Move held gradients into the flat buffer, freeing each one once copied."""
@@ -364,7 +386,7 @@ class ParamGroup:
         self._held.clear()
         self._received.clear()
         self._partial = None
-        self.arrived = 0
+        self.arrived.clear()
         if self.grads.is_full_allocated:
             self.grads.free_full()
 
@@ -440,6 +462,15 @@ class ParamGroup:
                 else:
                     spec = self.layout.shards[mp.fqn]
                     mp.sharded.grad = RaggedTensor(local, spec, rank, group)
+
+
+def _is_plain_embedding_weight(mp: ManagedParam) -> bool:
+    return all(
+        name == "weight"
+        and isinstance(module, nn.Embedding)
+        and type(module).forward is nn.Embedding.forward
+        for module, name in mp.locations
+    )
 
 
 def _units(

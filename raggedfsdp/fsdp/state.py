@@ -17,7 +17,8 @@ from then on:
   gradients arrive;
 * backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
   has them all, its parameters are freed, the gradients go into the flat gradient buffer and
-  its reduce-scatter starts asynchronously;
+  its reduce-scatter starts asynchronously (the parameters go earlier if only embedding
+  gradients are missing: the root's embedding and head after the head's backward);
 * at the end of backward (an autograd callback queued by the root): reduce what is left (unused
   parameters get zeros), wait for every reduce-scatter, set the sharded ``.grad`` views and
   reshard everything.
@@ -156,7 +157,7 @@ class RootContext:
             group.reshard(free=group.reshard_after_backward)
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
             group.finish_reduce()
-            group.arrived = 0
+            group.arrived.clear()
         self.reducing.clear()
         self.backward_active = False
 
@@ -186,24 +187,29 @@ class FSDPState:
         # ``set_unshard_in_backward``
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
-        self.unshard_in_backward = group is None or not _backward_reads_no_weight(group)
+        # FSDP2 gathers every group for backward; one of embedding weights is never read there
+        self.unshard_in_backward = group is None or bool(group.read_in_backward)
         self._yet_to_run: set[int] = set()  # ids of this forward's modules that have not run
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
+        self._hooked: set[int] = set()  # params whose unsharded gradients are hooked
         if group is not None:
             self._hook_gradients()
 
     def _hook_gradients(self) -> None:
-        """Take each unsharded parameter's gradient as autograd accumulates it."""
+        """Take each unsharded parameter's gradient as autograd accumulates it (a hook needs
+        ``requires_grad``: one unfrozen after wrapping is hooked at its next forward)."""
         for i, mp in enumerate(self.group.params):
-            if mp.unsharded.requires_grad:
+            if mp.unsharded.requires_grad and i not in self._hooked:
                 mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(i))
+                self._hooked.add(i)
 
     def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``Module._apply``'s conversion of the group (see ``ParamGroup.convert``)."""
         if self.group is not None and self.group.convert(fn):
-            self._hook_gradients()  # the unsharded parameters are new objects
+            self._hooked.clear()  # the unsharded parameters are new objects
+            self._hook_gradients()
 
     # ----------------------------------------------------------------------------- set-up
     @property
@@ -253,7 +259,8 @@ class FSDPState:
                 ctx.forward_order.append(self)
         if self.group is not None:
             self.group.unshard()
-            self.group.use_unsharded_params()
+            self.group.use_unsharded_params()  # with the sharded parameters' requires_grad
+            self._hook_gradients()
         if first_to_run:
             default = [ctx.next_after(self, +1)]
             _prefetch(default if self.forward_prefetch is None else self.forward_prefetch)
@@ -306,7 +313,13 @@ class FSDPState:
             self.group.use_unsharded_params()
         default = [ctx.next_in_backward(self)]
         targets = default if self.backward_prefetch is None else self.backward_prefetch
-        _prefetch([s for s in targets if s is not None and s.unshard_in_backward])
+        _prefetch([s for s in targets if s is not None and s.needs_backward_gather])
+
+    @property
+    def needs_backward_gather(self) -> bool:
+        """Whether backward still reads this group's parameters (the root's, prefetched by the
+        first block, no longer does once the head's and norm's gradients are in)."""
+        return self.unshard_in_backward and not (self.group and self.group.done_reading)
 
     def _grad_hook(self, index: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
@@ -314,25 +327,12 @@ class FSDPState:
             self.ctx.start_backward()
             self.ctx.release_finished_reduces()
             group.accumulate_grad(index, param)
-            if group.requires_gradient_sync and group.arrived == group.num_trainable:
+            if group.requires_gradient_sync and len(group.arrived) == group.num_trainable:
                 self.ctx.reduce(group)
+            elif group.is_unsharded and group.reshard_after_backward and group.done_reading:
+                group.reshard()  # only embedding gradients to come: they need no weights
 
         return hook
-
-
-def _backward_reads_no_weight(group: ParamGroup) -> bool:
-    """Whether every parameter of ``group`` is the weight of a plain ``nn.Embedding`` (its own
-    ``forward``), whose backward needs only the token ids and the output gradient: gathering
-    such a group for backward only costs an all-gather and its memory. FSDP2 gathers it unless
-    told ``set_unshard_in_backward(False)``; here that is the default for such groups. (A
-    recomputation under activation checkpointing still gathers: it runs the forward.)"""
-    return all(
-        name == "weight"
-        and isinstance(module, nn.Embedding)
-        and type(module).forward is nn.Embedding.forward
-        for mp in group.params
-        for module, name in mp.locations
-    )
 
 
 def _prefetch(states: list[FSDPState | None]) -> None:
