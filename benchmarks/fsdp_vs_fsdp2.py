@@ -329,6 +329,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
             }
             | {"floor": {"mem": floor_mem, "allocated": floor_allocated, "bound": bound}}
         )
+    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
     dist.destroy_process_group()
 
 

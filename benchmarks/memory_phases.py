@@ -72,6 +72,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         if args.system == "floor":
             bound = phases.bound(gathered_bytes(model, args))
             print(f"bound for {args.wrap} wrapping (each row + the group it needs): {bound:.1f}")
+    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
     dist.destroy_process_group()
 
 

@@ -192,6 +192,7 @@ def _memory_worker(rank: int, world: int, port: int, variant: str, out) -> None:
     elapsed = (time.perf_counter() - start) / 3
     peak = _rss_kb("VmHWM") - base
     out.put((rank, resident / 1024, peak / 1024, elapsed))
+    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
     dist.destroy_process_group()
 
 

@@ -122,6 +122,7 @@ def _worker(rank: int, world: int, port: int, blocks: list[int], steps: int, out
     results = {b: _measure(b, steps) for b in blocks}
     if rank == 0:
         out.put(results)
+    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
     dist.destroy_process_group()
 
 
