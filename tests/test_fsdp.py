@@ -526,7 +526,9 @@ def test_checkpoint_wrapper_recomputes_with_unsharded_params(pool):
 def _mismatched(kind: str) -> str:
     model = make_model(hidden=40 if dist.get_rank() == 0 or kind != "shape" else 48)
     policy = row_units(2) if dist.get_rank() == 1 and kind == "policy" else None
-    shard_blocks(model, shard_policy=policy)
+    # an int makes a subgroup: the other ranks must not be left waiting in its creation
+    subgroup = 2 if dist.get_rank() == 0 and kind == "reshard_after_forward" else None
+    shard_blocks(model, shard_policy=policy, reshard_after_forward=subgroup)
     try:
         loss_fn(model, *batch(0, 2))
     except RuntimeError as err:
@@ -534,8 +536,9 @@ def _mismatched(kind: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("world_size", [2])
-@pytest.mark.parametrize("kind", ["shape", "policy"])
+@pytest.mark.parametrize(
+    ("world_size", "kind"), [(2, "shape"), (2, "policy"), (4, "reshard_after_forward")]
+)
 def test_ranks_with_different_models_fail_before_the_first_collective(pool, kind):
     for message in pool.run(_mismatched, kind):
         assert "differs across ranks" in message, message

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from raggedfsdp.comm import ShardMesh, resolve_mesh, shard_subgroup
+from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
 from raggedfsdp.fsdp.state import FSDPState, in_backward, unfinished_backward
@@ -278,9 +278,6 @@ def fully_shard(
     modules = _as_module_list(module)
     shard_mesh = resolve_mesh(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, shard_mesh)
-    post_forward_mesh = None
-    if type(reshard_after_forward) is int:
-        post_forward_mesh = shard_subgroup(shard_mesh, reshard_after_forward)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = _collect_params(modules)
     owner = " + ".join(type(m).__name__ for m in modules)
@@ -298,7 +295,7 @@ def fully_shard(
         )
         for tensor in originals + [mp.sharded for mp in params]:
             tensor._raggedfsdp_owner = owner
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy, post_forward_mesh)
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
     for m in modules:
         setattr(m, _STATE, state)
         m.__class__ = _fsdp_class(type(m))

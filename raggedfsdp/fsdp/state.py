@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from raggedfsdp.comm import ShardMesh
+from raggedfsdp.comm import ShardMesh, shard_subgroup
 from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
@@ -173,13 +173,14 @@ class FSDPState:
         group: ParamGroup | None,
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
-        post_forward_mesh: ShardMesh | None = None,
     ) -> None:
         self.module_refs = [weakref.ref(m) for m in modules]
         self.class_names = [type(m).__name__ for m in modules]  # before fully_shard swaps them
         self.group = group
         self.reshard_after_forward = reshard_after_forward
-        self.post_forward_mesh = post_forward_mesh  # the subgroup an int resharded to
+        # the subgroup an int reshards to: made at the root's set-up, once the ranks are known
+        # to agree (a rank asking for another one would otherwise hang in its creation)
+        self.post_forward_mesh: ShardMesh | None = None
         self.mp_policy = mp_policy
         self.ctx: RootContext | None = None
         self.is_root = False
@@ -230,6 +231,10 @@ class FSDPState:
             if state.group is not None:
                 state.group.name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
         _check_ranks_agree(states)
+        for state in states:
+            size = state.reshard_after_forward
+            if type(size) is int and state.group is not None and state.post_forward_mesh is None:
+                state.post_forward_mesh = shard_subgroup(state.group.mesh, size)
         ctx = RootContext(states)
         for state in states:
             if state.ctx is None:
