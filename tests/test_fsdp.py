@@ -346,6 +346,39 @@ def test_freezing_after_wrapping_takes_effect_at_the_next_forward(pool):
         assert res["vs_fsdp2"] < 1e-6, res
 
 
+class _ReusedUnderReentrantCheckpoints(nn.Module):
+    """``lin`` runs in two reentrant checkpoints: its gradient arrives twice in one backward,
+    from two nested backward passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.other, self.lin = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.other, self.lin, self.lin):
+            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+        return x
+
+
+def _reentrant_reuse() -> float:
+    torch.manual_seed(0)
+    reference = _ReusedUnderReentrantCheckpoints()
+    torch.manual_seed(0)
+    ours = fully_shard(_ReusedUnderReentrantCheckpoints())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    reference(x).square().sum().backward()
+    ours(x.detach().requires_grad_()).square().sum().backward()
+    return max(
+        (p.grad.full_tensor() - q.grad).abs().max().item()
+        for p, q in zip(ours.parameters(), reference.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_gradient_arriving_twice_in_one_backward_is_summed(pool):
+    assert max(pool.run(_reentrant_reuse)) < 1e-6
+
+
 # ----------------------------------------------------------------------------- checkpointing
 def _save(path: str, steps: int) -> dict:
     import torch.distributed.checkpoint as dcp

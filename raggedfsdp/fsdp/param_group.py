@@ -336,6 +336,8 @@ class ParamGroup:
         self.arrived.add(index)
         if self.grads.is_full_allocated:
             self._write_grad(index, grad)
+        elif index in self._held:  # a second gradient this backward (reentrant checkpointing)
+            self._held[index].add_(grad)
         else:  # flushed by reduce_grads after the parameters are freed, or at backward's end
             self._held[index] = grad
 
