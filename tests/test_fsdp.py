@@ -339,7 +339,7 @@ def _frozen_and_unfrozen_after_wrapping(steps: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_freezing_after_wrapping_takes_effect_at_the_next_forward(pool):
     for res in pool.run(_frozen_and_unfrozen_after_wrapping, 3):
         assert res["head_kept"] and res["w1_trained"], res
@@ -374,7 +374,7 @@ def _reentrant_reuse() -> float:
     )
 
 
-@pytest.mark.parametrize("world_size", [2])
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_a_gradient_arriving_twice_in_one_backward_is_summed(pool):
     assert max(pool.run(_reentrant_reuse)) < 1e-6
 
