@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
+from raggedfsdp.fsdp.state import in_backward
 from raggedfsdp.sharding import RaggedShard, RaggedTensor, row_units
 from tests.fsdp_training import (
     ROWS,
@@ -514,6 +515,44 @@ def _step_inside_backward() -> str:
     except RuntimeError as err:
         return str(err)
     return "no error"
+
+
+def _optimizer_in_backward(steps: int) -> dict:
+    """torch's optimizer-in-backward recipe (one optimizer per parameter, stepped from the
+    parameter's post-accumulate-grad hook), beside the usual step after backward."""
+    stepped_in_backward, usual = shard_blocks(make_model()), shard_blocks(make_model())
+    per_param = {p: torch.optim.AdamW([p], lr=1e-2) for p in stepped_in_backward.parameters()}
+    steps_seen = []
+
+    def step_now(param: torch.Tensor) -> None:
+        per_param[param].step()
+        per_param[param].zero_grad()
+        steps_seen.append(in_backward())
+
+    for param in stepped_in_backward.parameters():
+        param.register_post_accumulate_grad_hook(step_now)
+    opt = torch.optim.AdamW(usual.parameters(), lr=1e-2)
+    for step in range(steps):
+        loss_fn(stepped_in_backward, *batch(step % 2, 2)).backward()
+        loss_fn(usual, *batch(step % 2, 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    ours, reference = full_params(stepped_in_backward), full_params(usual)
+    return {
+        "bitwise": all(torch.equal(ours[n], reference[n]) for n in ours),
+        "steps_in_backward": sum(steps_seen),
+        "grads_left": sum(p.grad is not None for p in stepped_in_backward.parameters()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_optimizer_in_backward_steps_each_parameter_once_its_gradient_is_reduced(pool):
+    """FSDP2 runs the sharded parameters' post-accumulate-grad hooks after its reduction;
+    before, ours never ran them and such an optimizer silently never stepped."""
+    num_params = len(list(make_model().parameters()))
+    for res in pool.run(_optimizer_in_backward, 3):
+        assert res["bitwise"] and res["grads_left"] == 0, res
+        assert res["steps_in_backward"] == 3 * num_params, res
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -402,12 +402,16 @@ def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kw
     if not any(isinstance(p, RaggedTensor) for p in params):  # every optimizer in the process
         return
     name = type(optimizer).__name__
+    ctx = unfinished_backward(params)
     if in_backward():
+        if ctx is not None and ctx.grads_final(params):
+            return  # optimizer in backward: a post-accumulate-grad hook of reduced parameters
         raise RuntimeError(
             f"{name}.step() was called before backward finished reducing gradients; call it "
-            "after loss.backward() returns"
+            "after loss.backward() returns, or from a post-accumulate-grad hook of the sharded "
+            "parameters, which runs once their gradients are reduced"
         )
-    if unfinished_backward(params) is not None:
+    if ctx is not None:
         raise RuntimeError(
             f"{name}.step(): the last backward through these parameters raised before it "
             "finished reducing gradients, so their .grad is incomplete. Call reset_iter_state() "

@@ -426,14 +426,15 @@ class ParamGroup:
     def reduce_completed(self) -> bool:
         return self._reduce is None or self._reduce[0].is_completed()
 
-    def finish_reduce(self) -> None:
+    def finish_reduce(self) -> list[nn.Parameter]:
         """Wait for the reduce-scatter, free the full gradient buffer and set the sharded
         ``.grad`` of each parameter: a view of the reduced segment (cast to the parameters'
         dtype if the reduction ran in another), or added to a ``.grad`` kept from before.
         HSDP without ``requires_all_reduce`` keeps the reduce-scattered sum instead; the next
-        reduction with it adds that in before its replicate all-reduce."""
+        reduction with it adds that in before its replicate all-reduce. Returns the sharded
+        parameters whose ``.grad`` it set."""
         if self._reduce is None:
-            return
+            return []
         handle, out = self._reduce
         self._reduce = None
         with self._failing_as("reduce-scatter"):
@@ -448,12 +449,13 @@ class ParamGroup:
                 self._partial = None
             if not self.requires_all_reduce:
                 self._partial, self._partial_received = out, received
-                return
+                return []
             with self._failing_as("replicate all-reduce"):
                 all_reduce_flat(out, self.mesh.replicate_group, op=self._reduce_op)
         if out.dtype != self.orig_dtype:
             out = out.to(self.orig_dtype)
         rank, group = self.mesh.shard_rank, self.mesh.shard_group
+        updated = []
         with torch.no_grad():
             for i, mp in enumerate(self.params):
                 if not mp.requires_grad or i not in received:
@@ -464,6 +466,8 @@ class ParamGroup:
                 else:
                     spec = self.layout.shards[mp.fqn]
                     mp.sharded.grad = RaggedTensor(local, spec, rank, group)
+                updated.append(mp.sharded)
+        return updated
 
 
 def _is_plain_embedding_weight(mp: ManagedParam) -> bool:

@@ -82,6 +82,7 @@ class RootContext:
         self.order_recorded = False
         self.backward_active = False
         self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
+        self.final: set[int] = set()  # ids of sharded params whose .grad this backward set
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         _LIVE_CONTEXTS.add(self)
 
@@ -114,7 +115,23 @@ class RootContext:
     def start_backward(self) -> None:
         if not self.backward_active:
             self.backward_active = True
+            self.final.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def finish_reduce(self, group: ParamGroup) -> None:
+        """Finish ``group``'s reduction, then run the post-accumulate-grad hooks of the sharded
+        parameters whose ``.grad`` it set, as autograd would for a leaf (FSDP2 does the same):
+        optimizer-in-backward steps each parameter there, while backward goes on."""
+        params = group.finish_reduce()
+        self.final.update(id(p) for p in params)
+        for param in params:
+            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(param)
+
+    def grads_final(self, params: list[torch.Tensor]) -> bool:
+        """Whether this backward has already set the final ``.grad`` of every trainable one of
+        ``params`` (an optimizer over them may step inside backward)."""
+        return all(id(p) in self.final for p in params if p.requires_grad)
 
     def reduce(self, group: ParamGroup) -> None:
         """Start ``group``'s reduce-scatter. On CUDA one stays in flight on its stream,
@@ -128,14 +145,14 @@ class RootContext:
         self.reducing.append(group)
         in_flight = 1 if group.device.type == "cuda" else 0
         while len(self.reducing) > in_flight:
-            self.reducing.pop(0).finish_reduce()
+            self.finish_reduce(self.reducing.pop(0))
         self.release_finished_reduces()
 
     def release_finished_reduces(self) -> None:
         """Finish reduce-scatters that are already done, freeing their full gradient buffers."""
         for group in [g for g in self.reducing if g.reduce_completed()]:
-            group.finish_reduce()
             self.reducing.remove(group)
+            self.finish_reduce(group)
 
     def reset(self) -> None:
         """Forget a backward that an error aborted (its end-of-backward callback never ran):
@@ -145,6 +162,7 @@ class RootContext:
                 state.group.discard_grads()
                 state.group.reshard()
         self.reducing.clear()
+        self.final.clear()
         self.backward_active = False
 
     def _finish_backward(self) -> None:
@@ -156,9 +174,10 @@ class RootContext:
             # parameters first, as in reduce(): then the flat buffer
             group.reshard(free=group.reshard_after_backward)
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
-            group.finish_reduce()
+            self.finish_reduce(group)
             group.arrived.clear()
         self.reducing.clear()
+        self.final.clear()
         self.backward_active = False
 
 
