@@ -192,6 +192,49 @@ def test_gradient_accumulation_without_sync(pool):
 
 
 # ----------------------------------------------------------------------------- torch's clipping
+def _grad_scaler(kind: str) -> dict:
+    """torch's GradScaler (or FSDP's ShardedGradScaler) on sharded gradients: training as one
+    process does, and an inf in one rank's piece makes every rank skip the step."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    make_scaler = {"torch": torch.amp.GradScaler, "sharded": ShardedGradScaler}[kind]
+    models = {"reference": make_model(), "ours": shard_blocks(make_model())}
+    for name, model in models.items():
+        scaler = make_scaler("cpu", init_scale=1024.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            inputs, targets = batch(step % 2, ROWS)
+            if name == "ours":
+                inputs, targets = my_rows(inputs), my_rows(targets)
+            scaler.scale(loss_fn(model, inputs, targets)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    params = full_params(models["ours"])
+    diff = max(
+        (params[n] - p).abs().max().item() for n, p in models["reference"].named_parameters()
+    )
+    # an overflow in rank 0's piece only: every rank must skip the step and halve the scale
+    model = models["ours"]
+    loss_fn(model, *batch(0, 2)).backward()
+    if dist.get_rank() == 0:
+        piece = next(p.grad.local for p in model.parameters() if p.grad.local.numel())
+        piece[0] = float("inf")
+    before = full_params(model)
+    scale = scaler.get_scale()
+    scaler.step(opt)
+    scaler.update()
+    skipped = all(torch.equal(before[n], t) for n, t in full_params(model).items())
+    return {"vs_one_process": diff, "skipped": skipped, "halved": scaler.get_scale() == scale / 2}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("kind", ["torch", "sharded"])
+def test_grad_scaler_unscales_pieces_and_agrees_on_overflow(pool, kind):
+    for res in pool.run(_grad_scaler, kind):
+        assert res["vs_one_process"] < 2e-5 and res["skipped"] and res["halved"], res
+
+
 def _torch_clipping() -> dict:
     """torch.nn.utils' norm and clipping functions on fully_shard gradients: the whole
     tensors' norms (one all-reduce per call), as FSDP2 users call them."""

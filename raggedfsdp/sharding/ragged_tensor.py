@@ -420,6 +420,26 @@ def _norms(func, args, kwargs):
     return out if foreach else out[0]
 
 
+def _amp_unscale(func, args, kwargs):
+    """``GradScaler.unscale_`` on ``fully_shard`` gradients: each rank unscales its pieces and
+    checks them for inf/NaN, then ``found_inf`` is made global (a MAX all-reduce per process
+    group in the list), so every rank skips or takes the same step. torch's ``GradScaler``
+    works as is; FSDP's ``ShardedGradScaler`` finds the flag already agreed."""
+    schema = func._schema
+    named = {a.name: v for a, v in zip(schema.arguments, args, strict=False)} | kwargs
+    grads, found_inf = named["self"], named["found_inf"]
+    func(
+        [g._local if isinstance(g, RaggedTensor) else g for g in grads],
+        found_inf,
+        named["inv_scale"],
+    )
+    groups = {
+        g._group: None for g in grads if isinstance(g, RaggedTensor) and g._spec.world_size > 1
+    }
+    for group in groups:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+
+
 def _empty_safe(reduce: Callable[[torch.Tensor], torch.Tensor], empty: float):
     """``reduce`` of a rank's piece in fp32, or ``empty`` for a rank that holds none."""
 
@@ -468,6 +488,7 @@ _SPECIAL = {
     aten.equal.default: _equal,
     aten._foreach_norm.Scalar: _norms,
     aten.linalg_vector_norm.default: _norms,
+    aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
     aten.any.default: _any_or_all,
     aten.all.default: _any_or_all,
     **{
