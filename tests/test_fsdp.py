@@ -192,6 +192,42 @@ def test_gradient_accumulation_without_sync(pool):
 
 
 # ----------------------------------------------------------------------------- torch's clipping
+def _whole_reductions() -> dict:
+    """sum/mean/max/min/amax/amin/var/std of sharded gradients equal those of the gathered
+    ones on every rank (some ranks hold empty pieces of the small tensors)."""
+    model = shard_blocks(make_model())
+    inputs, targets = batch(0, ROWS)
+    loss_fn(model, my_rows(inputs), my_rows(targets)).backward()
+    reductions = {
+        "sum": torch.sum,
+        "mean": torch.mean,
+        "max": torch.max,
+        "min": torch.min,
+        "amax": torch.amax,
+        "amin": torch.amin,
+        "var": torch.var,
+        "std": torch.std,
+    }
+    worst = 0.0
+    for p in model.parameters():
+        full = p.grad.full_tensor()
+        for name, reduce in reductions.items():
+            mine, expected = reduce(p.grad), reduce(full)
+            assert not isinstance(mine, RaggedTensor)
+            # sums cancel: their error is relative to the sum of magnitudes
+            scale = reduce(full.abs()) if name in ("sum", "mean") else expected.abs()
+            worst = max(worst, ((mine - expected).abs() / scale.clamp_min(1e-30)).item())
+    empty = sum(p.grad.local.numel() == 0 for p in model.parameters())
+    return {"worst_relative": worst, "empty_pieces": empty}
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_whole_tensor_reductions_of_sharded_gradients(pool):
+    results = pool.run(_whole_reductions)
+    assert all(r["worst_relative"] < 1e-5 for r in results), results
+    assert sum(r["empty_pieces"] for r in results) > 0  # the empty-piece path ran
+
+
 def _grad_scaler(kind: str) -> dict:
     """torch's GradScaler (or FSDP's ShardedGradScaler) on sharded gradients: training as one
     process does, and an inf in one rank's piece makes every rank skip the step."""

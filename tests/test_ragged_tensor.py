@@ -32,7 +32,9 @@ def test_pointwise_ops_run_on_the_local_pieces():
 def test_ops_needing_other_ranks_or_other_layouts_are_refused():
     a = _ragged(torch.randn(12))
     with pytest.raises(NotImplementedError, match=r"needs the whole tensor.*full_tensor\(\)"):
-        a.sum()
+        a.cumsum(0)
+    with pytest.raises(NotImplementedError, match=r"over some dims .* needs whole rows"):
+        a.amax(dim=0)
     with pytest.raises(NotImplementedError, match=r"norm over some dims .* needs whole rows"):
         torch.linalg.vector_norm(a, dim=0)
     with pytest.raises(ValueError, match=r"mixing a RaggedTensor \('w'\) with a plain tensor"):

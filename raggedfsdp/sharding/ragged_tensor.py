@@ -420,6 +420,53 @@ def _norms(func, args, kwargs):
     return out if foreach else out[0]
 
 
+def _whole_reduction(func, args, kwargs):
+    """``sum()``, ``mean()``, ``max()``, ``min()``, ``amax()``, ``amin()``, ``var()`` and
+    ``std()`` of the whole tensor (logging a gradient's mean or spread, as with DTensor): each
+    rank reduces its piece in float64 (int64 for integer sums), one all-reduce combines them,
+    and every rank gets the same plain tensor. Reductions over some dims need whole rows."""
+    src = args[0]
+    named = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+    if named.get("dim") not in (None, [], ()) or named.get("keepdim"):
+        raise NotImplementedError(
+            f"{func.name()} over some dims of a RaggedTensor needs whole rows; gather with "
+            ".full_tensor(), or reduce the whole tensor"
+        )
+    local, kind = src._local, func.overloadpacket
+    if local.is_complex():
+        raise NotImplementedError(f"{func.name()} of a complex RaggedTensor: use .full_tensor()")
+    floating = local.is_floating_point()
+    wide = local.to(torch.float64 if floating or kind is not aten.sum else torch.int64)
+
+    def combined(value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+        if src._spec.world_size > 1:
+            dist.all_reduce(value, op=op, group=src._group)
+        return value
+
+    numel = src.numel()
+    if kind in (aten.max, aten.amax, aten.min, aten.amin):
+        biggest = kind in (aten.max, aten.amax)
+        if numel == 0:
+            raise RuntimeError(f"{func.name()}: the tensor is empty")
+        if wide.numel():
+            part = wide.max() if biggest else wide.min()
+        else:  # this rank holds none of it: the identity of the combining op
+            part = torch.tensor(
+                -math.inf if biggest else math.inf, dtype=wide.dtype, device=wide.device
+            )
+        result = combined(part, dist.ReduceOp.MAX if biggest else dist.ReduceOp.MIN)
+        return result.to(src.dtype)
+    total = combined(wide.sum())
+    if kind is aten.sum:
+        return total.to(named.get("dtype") or (src.dtype if floating else torch.int64))
+    mean = total / numel
+    if kind is aten.mean:
+        return mean.to(named.get("dtype") or src.dtype)
+    correction = 1 if named.get("correction") is None else named["correction"]
+    variance = combined((wide - mean).pow(2).sum()) / max(numel - correction, 0)
+    return (variance if kind is aten.var else variance.sqrt()).to(src.dtype)
+
+
 def _amp_unscale(func, args, kwargs):
     """``GradScaler.unscale_`` on ``fully_shard`` gradients: each rank unscales its pieces and
     checks them for inf/NaN, then ``found_inf`` is made global (a MAX all-reduce per process
@@ -489,6 +536,19 @@ _SPECIAL = {
     aten._foreach_norm.Scalar: _norms,
     aten.linalg_vector_norm.default: _norms,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,
+    **{
+        op: _whole_reduction
+        for op in (
+            aten.sum.default,
+            aten.mean.default,
+            aten.max.default,
+            aten.min.default,
+            aten.amax.default,
+            aten.amin.default,
+            aten.var.correction,
+            aten.std.correction,
+        )
+    },
     aten.any.default: _any_or_all,
     aten.all.default: _any_or_all,
     **{
