@@ -596,10 +596,12 @@ def _step_inside_backward() -> str:
     return "no error"
 
 
-def _optimizer_in_backward(steps: int) -> dict:
+def _optimizer_in_backward(steps: int, hsdp: bool) -> dict:
     """torch's optimizer-in-backward recipe (one optimizer per parameter, stepped from the
     parameter's post-accumulate-grad hook), beside the usual step after backward."""
-    stepped_in_backward, usual = shard_blocks(make_model()), shard_blocks(make_model())
+    kwargs = {"mesh": init_device_mesh("cpu", (2, 2))} if hsdp else {}
+    stepped_in_backward = shard_blocks(make_model(), **kwargs)
+    usual = shard_blocks(make_model(), **kwargs)
     per_param = {p: torch.optim.AdamW([p], lr=1e-2) for p in stepped_in_backward.parameters()}
     steps_seen = []
 
@@ -624,12 +626,13 @@ def _optimizer_in_backward(steps: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_optimizer_in_backward_steps_each_parameter_once_its_gradient_is_reduced(pool):
-    """FSDP2 runs the sharded parameters' post-accumulate-grad hooks after its reduction;
-    before, ours never ran them and such an optimizer silently never stepped."""
+@pytest.mark.parametrize(("world_size", "hsdp"), [(2, False), (3, False), (4, True)])
+def test_optimizer_in_backward_steps_each_parameter_once_its_gradient_is_reduced(pool, hsdp):
+    """FSDP2 runs the sharded parameters' post-accumulate-grad hooks after its reduction (HSDP:
+    after the replicas' all-reduce); before, ours never ran them and such an optimizer
+    silently never stepped."""
     num_params = len(list(make_model().parameters()))
-    for res in pool.run(_optimizer_in_backward, 3):
+    for res in pool.run(_optimizer_in_backward, 3, hsdp):
         assert res["bitwise"] and res["grads_left"] == 0, res
         assert res["steps_in_backward"] == 3 * num_params, res
 
