@@ -30,7 +30,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
-from raggedfsdp.fsdp.state import FSDPState, in_backward, unfinished_backward
+from raggedfsdp.fsdp.state import (
+    FSDPState,
+    in_backward,
+    reduced_in_this_backward,
+    unfinished_backward,
+)
 from raggedfsdp.sharding import RaggedTensor, ShardPolicy, element_units
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -402,16 +407,15 @@ def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kw
     if not any(isinstance(p, RaggedTensor) for p in params):  # every optimizer in the process
         return
     name = type(optimizer).__name__
-    ctx = unfinished_backward(params)
     if in_backward():
-        if ctx is not None and ctx.grads_final(params):
+        if reduced_in_this_backward(params):
             return  # optimizer in backward: a post-accumulate-grad hook of reduced parameters
         raise RuntimeError(
             f"{name}.step() was called before backward finished reducing gradients; call it "
             "after loss.backward() returns, or from a post-accumulate-grad hook of the sharded "
             "parameters, which runs once their gradients are reduced"
         )
-    if ctx is not None:
+    if unfinished_backward(params) is not None:
         raise RuntimeError(
             f"{name}.step(): the last backward through these parameters raised before it "
             "finished reducing gradients, so their .grad is incomplete. Call reset_iter_state() "

@@ -50,7 +50,13 @@ from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
 
-__all__ = ["FSDPState", "RootContext", "in_backward", "unfinished_backward"]
+__all__ = [
+    "FSDPState",
+    "RootContext",
+    "in_backward",
+    "reduced_in_this_backward",
+    "unfinished_backward",
+]
 
 _LIVE_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
 
@@ -71,6 +77,12 @@ def unfinished_backward(params: list[torch.Tensor]) -> RootContext | None:
         if any(id(mp.sharded) in ids for s in ctx.states if s.group for mp in s.group.params):
             return ctx
     return None
+
+
+def reduced_in_this_backward(params: list[torch.Tensor]) -> bool:
+    """Whether a running backward has already set the final ``.grad`` of every trainable one of
+    ``params`` (an optimizer over them may step inside backward: optimizer-in-backward)."""
+    return any(ctx.grads_final(params) for ctx in _LIVE_CONTEXTS if ctx.backward_active)
 
 
 class RootContext:

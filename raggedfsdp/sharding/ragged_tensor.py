@@ -372,15 +372,24 @@ def _random_fill(func, args, kwargs):
     return dst
 
 
+def _named_arguments(func, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """An op's arguments by schema name, whether passed by position or keyword."""
+    return {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+
+
+def _combined(value: torch.Tensor, like: RaggedTensor, op: dist.ReduceOp) -> torch.Tensor:
+    """``value`` all-reduced over ``like``'s process group (as is for a single rank)."""
+    if like._spec.world_size > 1:
+        dist.all_reduce(value, op=op, group=like._group)
+    return value
+
+
 def _any_or_all(func, args, kwargs):
     """``t.any()`` / ``t.all()`` over the whole tensor: one small all-reduce, so every rank
     gets the same answer (``nn.init.trunc_normal_`` loops until no sample is out of range)."""
     src = args[0]
-    local = func(src._local).to(torch.uint8)
-    if src._spec.world_size > 1:
-        op = dist.ReduceOp.MAX if func is aten.any.default else dist.ReduceOp.MIN
-        dist.all_reduce(local, op=op, group=src._group)
-    return local.bool()
+    op = dist.ReduceOp.MAX if func is aten.any.default else dist.ReduceOp.MIN
+    return _combined(func(src._local).to(torch.uint8), src, op).bool()
 
 
 def _norms(func, args, kwargs):
@@ -389,8 +398,7 @@ def _norms(func, args, kwargs):
     (``max |x|``, ...) of its pieces in fp32, one all-reduce per process group covers the whole
     list, then the root. Plain tensors in the list are whole already."""
     foreach = func is aten._foreach_norm.Scalar
-    schema = func._schema  # arguments by name, whether passed by position or keyword
-    named = {a.name: v for a, v in zip(schema.arguments, args, strict=False)} | kwargs
+    named = _named_arguments(func, args, kwargs)
     tensors = named["self"] if foreach else [named["self"]]
     order = float(named.get("ord", 2.0))
     if not foreach and (named.get("dim") is not None or named.get("keepdim")):
@@ -426,7 +434,7 @@ def _whole_reduction(func, args, kwargs):
     rank reduces its piece in float64 (int64 for integer sums), one all-reduce combines them,
     and every rank gets the same plain tensor. Reductions over some dims need whole rows."""
     src = args[0]
-    named = {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+    named = _named_arguments(func, args, kwargs)
     if named.get("dim") not in (None, [], ()) or named.get("keepdim"):
         raise NotImplementedError(
             f"{func.name()} over some dims of a RaggedTensor needs whole rows; gather with "
@@ -437,12 +445,6 @@ def _whole_reduction(func, args, kwargs):
         raise NotImplementedError(f"{func.name()} of a complex RaggedTensor: use .full_tensor()")
     floating = local.is_floating_point()
     wide = local.to(torch.float64 if floating or kind is not aten.sum else torch.int64)
-
-    def combined(value: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
-        if src._spec.world_size > 1:
-            dist.all_reduce(value, op=op, group=src._group)
-        return value
-
     numel = src.numel()
     if kind in (aten.max, aten.amax, aten.min, aten.amin):
         biggest = kind in (aten.max, aten.amax)
@@ -454,16 +456,17 @@ def _whole_reduction(func, args, kwargs):
             part = torch.tensor(
                 -math.inf if biggest else math.inf, dtype=wide.dtype, device=wide.device
             )
-        result = combined(part, dist.ReduceOp.MAX if biggest else dist.ReduceOp.MIN)
+        result = _combined(part, src, dist.ReduceOp.MAX if biggest else dist.ReduceOp.MIN)
         return result.to(src.dtype)
-    total = combined(wide.sum())
+    total = _combined(wide.sum(), src, dist.ReduceOp.SUM)
     if kind is aten.sum:
         return total.to(named.get("dtype") or (src.dtype if floating else torch.int64))
     mean = total / numel
     if kind is aten.mean:
         return mean.to(named.get("dtype") or src.dtype)
     correction = 1 if named.get("correction") is None else named["correction"]
-    variance = combined((wide - mean).pow(2).sum()) / max(numel - correction, 0)
+    variance = _combined((wide - mean).pow(2).sum(), src, dist.ReduceOp.SUM)
+    variance = variance / max(numel - correction, 0)
     return (variance if kind is aten.var else variance.sqrt()).to(src.dtype)
 
 
@@ -472,8 +475,7 @@ def _amp_unscale(func, args, kwargs):
     checks them for inf/NaN, then ``found_inf`` is made global (a MAX all-reduce per process
     group in the list), so every rank skips or takes the same step. torch's ``GradScaler``
     works as is; FSDP's ``ShardedGradScaler`` finds the flag already agreed."""
-    schema = func._schema
-    named = {a.name: v for a, v in zip(schema.arguments, args, strict=False)} | kwargs
+    named = _named_arguments(func, args, kwargs)
     grads, found_inf = named["self"], named["found_inf"]
     func(
         [g._local if isinstance(g, RaggedTensor) else g for g in grads],
