@@ -19,9 +19,11 @@ medians (ours / FSDP2, lower is better):
   autograd's temporaries only, which every FSDP holds on top of its own buffers. The *bound*:
   the floor's resident peak between every two forward/backward boundaries of its modules plus
   the bytes of the group an FSDP wrapped as ``--wrap`` says must have gathered there (the one
-  holding the weights the module computes with; the embedding's backward reads none), the
-  highest of these. bound / FSDP2 is the lowest peak ratio any FSDP can reach with that
-  wrapping.
+  holding the weights the module computes with; the embedding's backward reads none, so in
+  backward a group's embedding is not counted), the highest of these. bound / FSDP2 is the
+  lowest peak ratio any FSDP can reach with that wrapping, one that gathers each group only
+  while its modules compute (FSDP2 keeps the root from forward through the loss's backward,
+  and prefetches the next group during the current one's backward).
 
     python benchmarks/fsdp_vs_fsdp2.py [--world-size 2] [--dim 512] [--layers 4] [--steps 8]
         [--activation-checkpointing] [--mixed-precision] [--wrap {blocks,torchtitan}]
@@ -133,7 +135,8 @@ def model_parts(model: Model) -> dict[str, nn.Module]:
 def gathered_bytes(model: Model, args: argparse.Namespace) -> dict[str, int]:
     """What an FSDP wrapped as ``args.wrap`` must have gathered while each module computes:
     the bytes (compute dtype) of the group holding its weights, keyed by the ``PhaseRecorder``
-    label that ends that interval. The embedding's backward reads no weight."""
+    label that ends that interval. The embedding's backward reads no weight, so in backward a
+    group's embedding need not be gathered with the rest (fully_shard plans it apart)."""
     parts = model_parts(model)
     blocks = [[name] for name in parts if name.startswith("layers.")]
     if args.wrap == "torchtitan":
@@ -141,13 +144,17 @@ def gathered_bytes(model: Model, args: argparse.Namespace) -> dict[str, int]:
     else:
         groups = [["embed", "norm", "head"], *blocks]
     size = 2 if args.mixed_precision else 4
+
+    def nbytes(names: list[str]) -> int:
+        return size * sum(p.numel() for name in names for p in parts[name].parameters())
+
     needs = {}
     for names in groups:
-        nbytes = size * sum(p.numel() for name in names for p in parts[name].parameters())
+        read_in_backward = [name for name in names if name != "embed"]
         for name in names:
-            needs[f"forward {name} end"] = nbytes
+            needs[f"forward {name} end"] = nbytes(names)
             if name != "embed":
-                needs[f"backward {name} end"] = nbytes
+                needs[f"backward {name} end"] = nbytes(read_in_backward)
     return needs
 
 

@@ -90,8 +90,7 @@ def counting(
     with ``by_size`` by (name, number of ranks the collective ran over)."""
     names = {}
     for m in model.modules() if model is not None else []:
-        group = getattr(m, "_raggedfsdp_state", None) and m._raggedfsdp_state.group
-        if group is not None:
+        for group in m._raggedfsdp_state.groups if hasattr(m, "_raggedfsdp_state") else []:
             names[id(group.compute.full)] = names[id(group.grads.full)] = group.name
     calls: Counter = Counter()
     original = getattr(param_group_module, collective)

@@ -8,6 +8,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -359,33 +360,47 @@ def test_parameters_and_gradients_are_views_of_the_flat_buffers(pool):
 
 
 def _root_freed_after_the_head(variant: str) -> dict:
-    """Whether the root's gathered embedding + head are still held when the last block's
-    backward starts (the head's and norm's gradients are in; only the embedding's, which
-    needs no weights, is still to come)."""
+    """Whether the root's gathered norm + head are still held when the last block's backward
+    starts (their gradients are in), whether its embedding, a group of its own, was freed
+    right after forward, and how often each is gathered in a step after the first."""
     model = shard_blocks(make_model())
-    root = model._raggedfsdp_state.group
-    if variant == "frozen head":  # its value may be read later: nothing frees early
+    state = model._raggedfsdp_state
+    root, lookups = state.group, state.forward_only
+    if variant == "frozen head":  # read in backward, with no signal when that is over (the
+        # root's inputs, token ids, get no gradient): held to the end of backward
         model.head.weight.requires_grad_(False)
-    if variant == "kept after backward":
+    if variant == "kept after backward":  # no all-gather of either in the next forward
         model.set_reshard_after_backward(False, recurse=False)
-    seen = {}
+    seen = {"embedding alone": [mp.fqn for mp in lookups.params] == ["embed.weight"]}
 
     def look(*_) -> None:
         seen["held"] = root.compute.is_full_allocated
 
     model.layers[-1].register_full_backward_pre_hook(look)
+    loss_fn(model, *batch(0, 2)).backward()  # the root's lazy set-up names the groups
     with counting("all_gather_flat", model) as calls:
-        loss_fn(model, *batch(0, 2)).backward()
-    # not again in backward (the first block's prefetch); named before the root's lazy init
-    seen["root gathers"] = calls["TinyTransformer"]
+        loss = loss_fn(model, *batch(1, 2))
+        seen["embedding freed after forward"] = not lookups.compute.is_full_allocated
+        loss.backward()
+    # neither again in backward (the first block does not prefetch the root back)
+    seen["gathers"] = (calls["root (TinyTransformer)"], calls["root (TinyTransformer): embeddings"])
     return seen
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_root_parameters_are_freed_once_only_embedding_gradients_are_missing(pool):
-    """FSDP2 holds them to the end of backward; the parity tests above show the same training."""
-    for variant, held in (("default", False), ("frozen head", True), ("kept after backward", True)):
-        expected = {"held": held, "root gathers": 1}
+def test_root_embedding_is_freed_after_forward_and_the_head_after_its_backward(pool):
+    """FSDP2 holds both to the end of backward; the parity tests above show the same training."""
+    for variant, held, freed, gathers in (
+        ("default", False, True, (1, 1)),
+        ("frozen head", True, True, (1, 1)),
+        ("kept after backward", True, False, (0, 0)),
+    ):
+        expected = {
+            "embedding alone": True,
+            "held": held,
+            "embedding freed after forward": freed,
+            "gathers": gathers,
+        }
         assert pool.run(_root_freed_after_the_head, variant) == [expected] * 2, variant
 
 
@@ -424,6 +439,94 @@ def test_freezing_after_wrapping_takes_effect_at_the_next_forward(pool):
     for res in pool.run(_frozen_and_unfrozen_after_wrapping, 3):
         assert res["head_kept"] and res["w1_trained"], res
         assert res["vs_fsdp2"] < 1e-6, res
+
+
+def _frozen_parameters_read_after_the_trainable_gradients(steps: int) -> dict:
+    """Fine-tuning with a block's attention frozen and another block wholly frozen, beside
+    FSDP2 doing the same: backward reads the frozen weights after every trainable gradient of
+    the block is in, so only the gradients of the block's input say when it is done with
+    them. Also whether each block is freed before the backward of the block below starts."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    models = []
+    for wrap in (fully_shard, fsdp2_fully_shard):
+        model = make_model()
+        for p in [*model.layers[1].attn_norm.parameters(), *model.layers[1].attn.parameters()]:
+            p.requires_grad_(False)
+        model.layers[2].requires_grad_(False)
+        models.append(shard_blocks(model, wrap))
+    ours = models[0]
+    held = {}
+    for below, block in ((ours.layers[0], "layers.1"), (ours.layers[1], "layers.2")):
+        group = ours.layers[int(block[-1])]._raggedfsdp_state.group
+        below.register_full_backward_pre_hook(
+            lambda *_, b=block, g=group: held.__setitem__(b, g.compute.is_full_allocated)
+        )
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(steps):
+        for model, opt in zip(models, opts, strict=True):
+            loss_fn(model, *(my_rows(t) for t in batch(step % 2, ROWS))).backward()
+            opt.step()
+            opt.zero_grad()
+    full, peer = full_params(ours), full_params(models[1])
+    return {
+        "vs_fsdp2": max((full[n] - peer[n]).abs().max().item() for n in full),
+        "frozen_kept": torch.equal(full["layers.2.w2.weight"], make_model().layers[2].w2.weight),
+        "held_at_the_block_below": held,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_frozen_parameters_read_after_the_trainable_gradients_stay_gathered_until_read(pool):
+    """Before, the block was freed once its trainable gradients were in, and its frozen
+    attention's backward then failed reading freed storage."""
+    for res in pool.run(_frozen_parameters_read_after_the_trainable_gradients, 3):
+        assert res["vs_fsdp2"] < 1e-6 and res["frozen_kept"], res
+        assert res["held_at_the_block_below"] == {"layers.1": False, "layers.2": False}, res
+
+
+class _HeadReadingTheEmbedding(nn.Module):
+    """A lookup whose weight the head also reads directly (``h @ embed.weight.T``), as some
+    models tie their output projection: backward reads the embedding weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mix = nn.Embedding(32, 16), nn.Linear(16, 16)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.embed(tokens)) @ self.embed.weight.T
+
+
+def _embedding_read_by_the_head() -> dict:
+    torch.manual_seed(0)
+    reference = _HeadReadingTheEmbedding()
+    torch.manual_seed(0)
+    ours = fully_shard(_HeadReadingTheEmbedding())
+    state = ours._raggedfsdp_state
+    inputs, targets = (my_rows(t) for t in batch(0, ROWS))
+    logits = ours(inputs)
+    kept = state.forward_only.compute.is_full_allocated
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    full_inputs, full_targets = batch(0, ROWS)
+    F.cross_entropy(reference(full_inputs).flatten(0, 1), full_targets.flatten()).backward()
+    return {
+        "own_group": [mp.fqn for mp in state.forward_only.params] == ["embed.weight"],
+        "kept_for_backward": kept,
+        "freed_after_backward": not state.forward_only.compute.is_full_allocated,
+        "grad_error": max(
+            (p.grad.full_tensor() - q.grad).abs().max().item()
+            for p, q in zip(ours.parameters(), reference.parameters(), strict=True)
+        ),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_an_embedding_weight_read_beyond_its_lookup_stays_gathered_for_backward(pool):
+    """The forward's autograd graph shows the head reading it: its group is not freed after
+    forward (it would be for a lookup alone, see the root test above)."""
+    for res in pool.run(_embedding_read_by_the_head):
+        assert res["own_group"] and res["kept_for_backward"], res
+        assert res["freed_after_backward"] and res["grad_error"] < 1e-6, res
 
 
 class _ReusedUnderReentrantCheckpoints(nn.Module):
@@ -796,7 +899,7 @@ def test_forward_without_grad_shows_sharded_parameters_and_frees_all_but_kept_gr
     kept, others = (
         (["[norm, head]"], ["embed"])
         if wrapping == "torchtitan"
-        else ([], ["root (TinyTransformer)"])
+        else ([], ["root (TinyTransformer)", "root (TinyTransformer): embeddings"])
     )
     every = [*layers, *others]
     for res in pool.run(_eval_shows_sharded_parameters, wrapping):

@@ -88,10 +88,12 @@ def _explicit_prefetch(steps: int) -> dict:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_explicit_prefetch_lists_gather_in_the_order_asked_and_match_fsdp2(pool, world_size):
     for res in pool.run(_explicit_prefetch, 3):
-        # forward: the root prefetches layers.0 (default); layers.0 asks for 1 and 2 together,
-        # layers.1 for 2 (started already) and 3; backward: layers.3 for 2 and 1
+        # forward: the root (its embedding a group of its own) prefetches layers.0 (default);
+        # layers.0 asks for 1 and 2 together, layers.1 for 2 (started already) and 3;
+        # backward: layers.3 for 2 and 1
         assert res["gathers_started"] == [
             "root (TinyTransformer)",
+            "root (TinyTransformer): embeddings",
             "layers.0",
             "layers.1",
             "layers.2",
@@ -412,8 +414,9 @@ def _kept_after_backward() -> dict:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reshard_after_backward_false_saves_the_next_gather_and_never_goes_stale(pool, world_size):
     for res in pool.run(_kept_after_backward):
-        # micro-batch 1: one gather per group (3 blocks and the root); micro-batch 2: none
-        assert res["gathers_per_microbatch"] == [4, 0], res
+        # micro-batch 1: one gather per group (3 blocks, the root's and its embedding's);
+        # micro-batch 2: none
+        assert res["gathers_per_microbatch"] == [5, 0], res
         assert res["sharded_between_backward_and_forward"], res
         assert res["bitwise_grads"], res
         assert res["forward_after_step_bitwise"], res
@@ -446,7 +449,8 @@ def _hsdp_accumulation() -> dict:
 @pytest.mark.parametrize("world_size", [4])
 def test_hsdp_accumulation_with_one_all_reduce(pool):
     for res in pool.run(_hsdp_accumulation):
-        assert res["all_reduces"] == [0, 4], res  # one per group, on the last micro-batch only
+        # one per group (3 blocks, the root's and its embedding's), on the last micro-batch only
+        assert res["all_reduces"] == [0, 5], res
         assert res["no_grads_before_the_all_reduce"], res
         assert res["vs_synced"] < 1e-6, res
 

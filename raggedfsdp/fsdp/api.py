@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
-from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup
+from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup, is_plain_embedding_weight
 from raggedfsdp.fsdp.state import (
     FSDPState,
     in_backward,
@@ -53,10 +53,10 @@ class FSDPModule:
         """All-gather this module's group now (e.g. to inspect or time it). ``async_op=True``
         only starts it and returns a handle whose ``wait()`` finishes it; otherwise the next
         forward does."""
-        group = self._fsdp_state().group
-        if group is not None:
+        groups = self._fsdp_state().groups
+        for group in groups:
             group.unshard(async_op=True)
-        handle = UnshardHandle(group)
+        handle = UnshardHandle(groups)
         if async_op:
             return handle
         handle.wait()
@@ -64,8 +64,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters and point it back at the sharded ones."""
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.reshard()
 
     def reset_iter_state(self) -> None:
@@ -82,9 +81,8 @@ class FSDPModule:
     ) -> None:
         """``False``: backward accumulates unsharded gradients locally (no communication) until a
         backward with ``True`` reduces the sum, as FSDP2's method of the same name."""
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.requires_gradient_sync = requires_gradient_sync
+        for group in self._groups(recurse):
+            group.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``fully_shard``'s ``reshard_after_forward`` at run time (e.g. ``False`` for
@@ -106,18 +104,16 @@ class FSDPModule:
         all-gather (gradient accumulation: more memory, less communication). Outside forward and
         backward the module still shows its sharded parameters, and kept ones are gathered again
         if the sharded parameters changed (an optimizer step), so they are never stale."""
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.reshard_after_backward = reshard_after_backward
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: ``False`` reduce-scatters each backward's gradients but keeps the partial sums
         instead of all-reducing them over the replicas; the next backward with ``True`` adds
         them in and all-reduces once (accumulation with less inter-node traffic). The sharded
         ``.grad`` is set only then. No effect on a 1-D mesh."""
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.requires_all_reduce = requires_all_reduce
+        for group in self._groups(recurse):
+            group.requires_all_reduce = requires_all_reduce
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide gradients by ``factor`` instead of averaging over the data-parallel ranks
@@ -130,8 +126,7 @@ class FSDPModule:
                 f"set_gradient_divide_factor(factor={factor!r}): expected a positive number "
                 "(e.g. 1.0 to sum the ranks' gradients)"
             )
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.gradient_divide_factor = float(factor)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -164,18 +159,17 @@ class FSDPModule:
         initialise (random fills draw what one process would draw, so the parameters do not
         depend on the world size). Every group below is checked first, so a refused
         conversion (a dtype change, a gathered group) changes nothing."""
-        for state in self._states(recurse):
-            if state.group is not None:
-                state.group.check_conversion(fn)
+        for group in self._groups(recurse):
+            group.check_conversion(fn)
         state = self._fsdp_state()
-        params = [] if state.group is None else state.group.params
+        params = [mp for group in state.groups for mp in group.params]
         for module, name in (loc for mp in params for loc in mp.locations):
             module._parameters[name] = None  # converted by state.convert, as one buffer
         try:
             result = super()._apply(fn, recurse)
         finally:
-            if state.group is not None:
-                state.group.use_sharded_params()
+            for group in state.groups:
+                group.use_sharded_params()
         state.convert(fn)
         return result
 
@@ -183,19 +177,22 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         return list(dict.fromkeys(getattr(m, _STATE) for m in modules if hasattr(m, _STATE)))
 
+    def _groups(self, recurse: bool) -> list[ParamGroup]:
+        return [group for state in self._states(recurse) for group in state.groups]
+
 
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather and points the
     module at the unsharded parameters (the module's next forward would do it otherwise)."""
 
-    def __init__(self, group: ParamGroup | None) -> None:
-        self._group = group
+    def __init__(self, groups: list[ParamGroup]) -> None:
+        self._groups = groups
 
     def wait(self) -> None:
-        if self._group is not None:
-            self._group.unshard()
-            self._group.use_unsharded_params()
-            self._group = None
+        for group in self._groups:
+            group.unshard()
+            group.use_unsharded_params()
+        self._groups = []
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -286,21 +283,32 @@ def fully_shard(
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = _collect_params(modules)
     owner = " + ".join(type(m).__name__ for m in modules)
-    group = None
     if params:
         _check_mesh_device(shard_mesh, params[0].original, params[0].fqn)
-        originals = [mp.original for mp in params]
-        group = ParamGroup(
-            params,
+    originals = [mp.original for mp in params]
+
+    def group_of(members: list[ManagedParam]) -> ParamGroup | None:
+        if not members:
+            return None
+        return ParamGroup(
+            members,
             shard_mesh,
             mp_policy,
             shard_policy or element_units(),
             comm_streams=lambda: state.ctx.comm_streams() if state.ctx else (None, None),
             name=owner,
         )
-        for tensor in originals + [mp.sharded for mp in params]:
-            tensor._raggedfsdp_owner = owner
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy)
+
+    # Weights of embedding lookups get their own group when there are others: backward reads
+    # none of them, so they need not stay gathered with (or be gathered again like) the rest.
+    lookups = [mp for mp in params if is_plain_embedding_weight(mp)]
+    others = [mp for mp in params if not is_plain_embedding_weight(mp)]
+    if not others:
+        lookups, others = [], lookups
+    group, forward_only = group_of(others), group_of(lookups)
+    for tensor in originals + [mp.sharded for mp in params]:
+        tensor._raggedfsdp_owner = owner
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy, forward_only)
     for m in modules:
         setattr(m, _STATE, state)
         m.__class__ = _fsdp_class(type(m))

@@ -36,7 +36,7 @@ from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.sharding import FlatBuffer, Layout, RaggedTensor, ShardPolicy, TensorSpec
 from raggedfsdp.sharding import plan_layout as _plan_layout
 
-__all__ = ["ManagedParam", "ParamGroup"]
+__all__ = ["ManagedParam", "ParamGroup", "is_plain_embedding_weight"]
 
 
 @dataclass
@@ -102,10 +102,14 @@ class ParamGroup:
         self._reduce: tuple[CommHandle, torch.Tensor] | None = None
         self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
         self.arrived: set[int] = set()  # params whose gradient came in the current backward
+        # set by the state once backward has computed the gradients of the module's inputs:
+        # then no node of the module's backward (reading frozen parameters) is left to run
+        self.inputs_done = False
         # Params whose values backward may read: all but weights of plain nn.Embedding modules,
-        # whose backward needs only the token ids and the output gradient.
+        # whose backward needs only the token ids and the output gradient (fully_shard widens
+        # it to all of them for a forward whose graph reads such a weight elsewhere).
         self.read_in_backward = frozenset(
-            i for i, mp in enumerate(params) if not _is_plain_embedding_weight(mp)
+            i for i, mp in enumerate(params) if not is_plain_embedding_weight(mp)
         )
         self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
         self._gathered_version = -1  # _master_version() when the last gather started
@@ -342,13 +346,30 @@ class ParamGroup:
             self._held[index] = grad
 
     @property
+    def reads_frozen(self) -> bool:
+        """Whether backward may read a frozen parameter: no gradient tells when that is over."""
+        return any(not self.params[i].requires_grad for i in self.read_in_backward)
+
+    @property
     def done_reading(self) -> bool:
-        """Whether backward has no further use for the unsharded parameters: every one it may
-        read has its gradient (autograd accumulates a leaf's gradient only after every node
-        that takes it as input has run), and the rest are embedding weights, never read. The
-        root then frees its gathered embedding and head right after the head's backward
-        instead of at the end (FSDP2 keeps them)."""
-        return self.read_in_backward <= self.arrived
+        """Whether backward has no further use for the unsharded parameters: every trainable
+        one it may read has its gradient (autograd accumulates a leaf's gradient only after
+        every node that takes it as input has run), frozen ones are read only by nodes that
+        ran before the gradients of the module's inputs (``inputs_done``), and the rest are
+        embedding weights, never read. A group of embeddings kept gathered after forward is
+        then freed at once."""
+        trainable = {i for i in self.read_in_backward if self.params[i].requires_grad}
+        return trainable <= self.arrived and (self.inputs_done or not self.reads_frozen)
+
+    @property
+    def grads_complete(self) -> bool:
+        """Whether every trainable parameter's gradient came in the current backward."""
+        return len(self.arrived) == self.num_trainable
+
+    def forget_backward(self) -> None:
+        """Start the next backward's bookkeeping: no gradient arrived, no input done."""
+        self.arrived.clear()
+        self.inputs_done = False
 
     def flush_held_grads(self) -> None:
         """Move held gradients into the flat buffer, freeing each one once copied."""
@@ -388,7 +409,7 @@ class ParamGroup:
         self._held.clear()
         self._received.clear()
         self._partial = None
-        self.arrived.clear()
+        self.forget_backward()
         if self.grads.is_full_allocated:
             self.grads.free_full()
 
@@ -470,7 +491,9 @@ class ParamGroup:
         return updated
 
 
-def _is_plain_embedding_weight(mp: ManagedParam) -> bool:
+def is_plain_embedding_weight(mp: ManagedParam) -> bool:
+    """Whether ``mp`` is only ever the weight of plain ``nn.Embedding`` modules (their own
+    ``forward``): a lookup, whose backward needs the indices and the output gradient only."""
     return all(
         name == "weight"
         and isinstance(module, nn.Embedding)

@@ -17,8 +17,10 @@ from then on:
   gradients arrive;
 * backward: each unsharded parameter's post-accumulate hook takes its gradient; when a group
   has them all, its parameters are freed, the gradients go into the flat gradient buffer and
-  its reduce-scatter starts asynchronously (the parameters go earlier if only embedding
-  gradients are missing: the root's embedding and head after the head's backward);
+  its reduce-scatter starts asynchronously (the root's norm and head right after the head's
+  backward: its embedding is in a group of its own, freed after forward; see ``FSDPState``).
+  A group whose backward reads frozen parameters also waits for the gradients of its module's
+  inputs (FSDP2's post-backward signal): no gradient says when a frozen weight is read last;
 * at the end of backward (an autograd callback queued by the root): reduce what is left (unused
   parameters get zeros), wait for every reduce-scatter, set the sharded ``.grad`` views and
   reshard everything.
@@ -74,7 +76,7 @@ def unfinished_backward(params: list[torch.Tensor]) -> RootContext | None:
         return None
     ids = {id(p) for p in params}
     for ctx in active:
-        if any(id(mp.sharded) in ids for s in ctx.states if s.group for mp in s.group.params):
+        if any(id(mp.sharded) in ids for s in ctx.states for g in s.groups for mp in g.params):
             return ctx
     return None
 
@@ -95,6 +97,7 @@ class RootContext:
         self.backward_active = False
         self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
         self.final: set[int] = set()  # ids of sharded params whose .grad this backward set
+        self.reduced: set[ParamGroup] = set()  # groups whose reduction this backward started
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         _LIVE_CONTEXTS.add(self)
 
@@ -128,6 +131,7 @@ class RootContext:
         if not self.backward_active:
             self.backward_active = True
             self.final.clear()
+            self.reduced.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def finish_reduce(self, group: ParamGroup) -> None:
@@ -154,6 +158,7 @@ class RootContext:
         # every gradient is in: free the parameters before the flat buffer is filled
         group.reshard(free=group.reshard_after_backward)
         group.reduce_grads()
+        self.reduced.add(group)
         self.reducing.append(group)
         in_flight = 1 if group.device.type == "cuda" else 0
         while len(self.reducing) > in_flight:
@@ -169,16 +174,16 @@ class RootContext:
     def reset(self) -> None:
         """Forget a backward that an error aborted (its end-of-backward callback never ran):
         wait for its collectives, drop its partial gradients and reshard every group."""
-        for state in self.states:
-            if state.group is not None:
-                state.group.discard_grads()
-                state.group.reshard()
+        for group in (g for s in self.states for g in s.groups):
+            group.discard_grads()
+            group.reshard()
         self.reducing.clear()
         self.final.clear()
+        self.reduced.clear()
         self.backward_active = False
 
     def _finish_backward(self) -> None:
-        groups = [s.group for s in self.states if s.group is not None]
+        groups = [g for s in self.states for g in s.groups]
         for group in groups:  # groups with unused parameters never completed: zeros for those
             if group.requires_gradient_sync and group.has_unreduced_grads and not group._reduce:
                 self.reduce(group)
@@ -187,16 +192,25 @@ class RootContext:
             group.reshard(free=group.reshard_after_backward)
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
             self.finish_reduce(group)
-            group.arrived.clear()
+            group.forget_backward()
         self.reducing.clear()
         self.final.clear()
+        self.reduced.clear()
         self.backward_active = False
 
 
 class FSDPState:
     """Hooks and settings of one ``fully_shard`` call: one module, or several sharing a group
     (e.g. ``[model.norm, model.output]``), which then gathers before the first of them runs its
-    forward and reshards after the last."""
+    forward and reshards after the last.
+
+    A call whose parameters mix weights of plain ``nn.Embedding`` modules with others plans
+    the embeddings into a second group, ``forward_only``: gathered with the first before
+    forward, freed after it (backward of a lookup reads no weight) and never gathered for
+    backward. The usual root (embedding, final norm, head) then holds only its norm and head
+    during backward, where FSDP2 holds the embedding too. If the forward's autograd graph
+    shows another use of an embedding weight (a head tied by reading ``embed.weight``), the
+    group is kept for backward, as before."""
 
     def __init__(
         self,
@@ -204,10 +218,12 @@ class FSDPState:
         group: ParamGroup | None,
         reshard_after_forward: bool | int | None,
         mp_policy: MixedPrecisionPolicy,
+        forward_only: ParamGroup | None = None,
     ) -> None:
         self.module_refs = [weakref.ref(m) for m in modules]
         self.class_names = [type(m).__name__ for m in modules]  # before fully_shard swaps them
         self.group = group
+        self.forward_only = forward_only
         self.reshard_after_forward = reshard_after_forward
         # the subgroup an int reshards to: made at the root's set-up, once the ranks are known
         # to agree (a rank asking for another one would otherwise hang in its creation)
@@ -220,26 +236,39 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         # FSDP2 gathers every group for backward; one of embedding weights is never read there
-        self.unshard_in_backward = group is None or bool(group.read_in_backward)
+        self.unshard_in_backward = group is not None and bool(group.read_in_backward)
         self._yet_to_run: set[int] = set()  # ids of this forward's modules that have not run
+        # with a forward_only group: this forward's outputs, and its inputs' autograd nodes
+        # (where the search for other uses of the embedding weights stops)
+        self._outputs: list[torch.Tensor] = []
+        self._input_nodes: set[Any] = set()
+        # a group reading frozen parameters in backward: this forward's number, and how many
+        # of its modules' input gradients are still to come (None: some had no such input)
+        self._forward_id = 0
+        self._inputs_pending: int | None = 0
         for module in modules:
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, prepend=False)
-        self._hooked: set[int] = set()  # params whose unsharded gradients are hooked
-        if group is not None:
-            self._hook_gradients()
+        self._hooked: set[int] = set()  # ids of the unsharded params whose gradients are hooked
+        self._hook_gradients()
+
+    @property
+    def groups(self) -> list[ParamGroup]:
+        """The call's groups: the main one, then ``forward_only`` if its parameters have one."""
+        return [g for g in (self.group, self.forward_only) if g is not None]
 
     def _hook_gradients(self) -> None:
         """Take each unsharded parameter's gradient as autograd accumulates it (a hook needs
         ``requires_grad``: one unfrozen after wrapping is hooked at its next forward)."""
-        for i, mp in enumerate(self.group.params):
-            if mp.unsharded.requires_grad and i not in self._hooked:
-                mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(i))
-                self._hooked.add(i)
+        for group in self.groups:
+            for i, mp in enumerate(group.params):
+                if mp.unsharded.requires_grad and id(mp.unsharded) not in self._hooked:
+                    mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(group, i))
+                    self._hooked.add(id(mp.unsharded))
 
     def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        """``Module._apply``'s conversion of the group (see ``ParamGroup.convert``)."""
-        if self.group is not None and self.group.convert(fn):
+        """``Module._apply``'s conversion of the groups (see ``ParamGroup.convert``)."""
+        if any([group.convert(fn) for group in self.groups]):  # a list: convert every group
             self._hooked.clear()  # the unsharded parameters are new objects
             self._hook_gradients()
 
@@ -259,8 +288,11 @@ class FSDPState:
                     paths.setdefault(module._raggedfsdp_state, []).append(name)
         states = list(paths)
         for state, names in paths.items():
+            name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
             if state.group is not None:
-                state.group.name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+                state.group.name = name
+            if state.forward_only is not None:
+                state.forward_only.name = f"{name}: embeddings"
         _check_ranks_agree(states)
         for state in states:
             size = state.reshard_after_forward
@@ -291,15 +323,27 @@ class FSDPState:
         first_to_run = not recompute and not self._yet_to_run
         if first_to_run:
             self._yet_to_run = {id(m) for m in self.modules}
+            self._outputs, self._input_nodes = [], set()
+            self._forward_id += 1
+            self._inputs_pending = 0
             if not ctx.order_recorded and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
-        if self.group is not None:
-            self.group.unshard()
-            self.group.use_unsharded_params()  # with the sharded parameters' requires_grad
-            self._hook_gradients()
+        if not recompute and torch.is_grad_enabled():
+            if self.forward_only is not None:
+                self._input_nodes.update(_autograd_nodes((args, kwargs)))
+            if self.group is not None and self.group.reads_frozen:
+                self._watch_inputs((args, kwargs))
+        for group in self.groups:  # start all, then wait: a second group's gather overlaps
+            group.unshard(async_op=True)
+        for group in self.groups:
+            group.unshard()
+            group.use_unsharded_params()  # with the sharded parameters' requires_grad
+        self._hook_gradients()
         if first_to_run:
-            default = [ctx.next_after(self, +1)]
-            _prefetch(default if self.forward_prefetch is None else self.forward_prefetch)
+            targets = [ctx.next_after(self, +1)]
+            if self.forward_prefetch is not None:
+                targets = self.forward_prefetch
+            _prefetch([g for s in targets if s is not None for g in s.groups])
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -309,33 +353,50 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if in_backward():  # recomputation for activation checkpointing: backward needs them
             return output
-        ctx = self.ctx
-        self._yet_to_run.discard(id(module))
-        if not self._yet_to_run:  # the last of the group's modules has run its forward
-            if self.is_root:
-                ctx.order_recorded = True
-            if self.reshard_after_forward is None:  # FSDP2's default: keep only the root
-                keep = self.is_root
-            else:
-                keep = not self.reshard_after_forward
-            if self.group is not None and not keep:
-                # an int (not a bool) keeps a chunk for backward; no backward: none needed
-                partial = type(self.reshard_after_forward) is int and torch.is_grad_enabled()
-                self.group.reshard(keep_for=self.post_forward_mesh if partial else None)
-            elif self.group is not None and not torch.is_grad_enabled():
-                # No backward will come: the module shows its sharded parameters again (state
-                # dicts, optimizers); the memory stays only where the user asked to keep it
-                # (``reshard_after_forward=False``, e.g. for evaluation loops), so the next
-                # forward needs no all-gather.
-                self.group.reshard(free=self.reshard_after_forward is None)
         tensors = [
             t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
+        if self.forward_only is not None:
+            self._outputs += tensors
+        self._yet_to_run.discard(id(module))
+        if not self._yet_to_run:  # the last of the group's modules has run its forward
+            if self.is_root:
+                self.ctx.order_recorded = True
+            self._reshard_after_forward()
         if tensors:
             register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         return output
+
+    def _reshard_after_forward(self) -> None:
+        if self.reshard_after_forward is None:  # FSDP2's default: keep only the root
+            keep = self.is_root
+        else:
+            keep = not self.reshard_after_forward
+        backward_comes = torch.is_grad_enabled()
+        outputs, stop = self._outputs, self._input_nodes
+        self._outputs, self._input_nodes = [], set()  # holding the outputs would keep the graph
+        for group in self.groups:
+            if group is self.forward_only and backward_comes:
+                # Kept where the user keeps parameters (no all-gather next forward), or where
+                # backward reads a weight beyond its lookups: then, like any group's, until
+                # every one of its gradients is in.
+                read = _read_beyond_lookups(group, outputs, stop)
+                group.read_in_backward = frozenset(range(len(group.params)) if read else ())
+                free = self.reshard_after_forward is not False and group.reshard_after_backward
+                if free and not read:
+                    group.reshard()
+            elif not keep:
+                # an int (not a bool) keeps a chunk for backward; no backward: none needed
+                partial = type(self.reshard_after_forward) is int and backward_comes
+                group.reshard(keep_for=self.post_forward_mesh if partial else None)
+            elif not backward_comes:
+                # No backward will come: the module shows its sharded parameters again (state
+                # dicts, optimizers); the memory stays only where the user asked to keep it
+                # (``reshard_after_forward=False``, e.g. for evaluation loops), so the next
+                # forward needs no all-gather.
+                group.reshard(free=self.reshard_after_forward is None)
 
     # ----------------------------------------------------------------------------- backward
     @torch._dynamo.disable
@@ -349,40 +410,108 @@ class FSDPState:
             self.group.use_unsharded_params()
         default = [ctx.next_in_backward(self)]
         targets = default if self.backward_prefetch is None else self.backward_prefetch
-        _prefetch([s for s in targets if s is not None and s.needs_backward_gather])
+        _prefetch([s.group for s in targets if s is not None and s.needs_backward_gather])
 
     @property
     def needs_backward_gather(self) -> bool:
-        """Whether backward still reads this group's parameters (the root's, prefetched by the
-        first block, no longer does once the head's and norm's gradients are in)."""
-        return self.unshard_in_backward and not (self.group and self.group.done_reading)
+        """Whether backward still reads this state's main group: not once the gradients of
+        all it may read are in (the first block does not prefetch back a root whose norm and
+        head are done)."""
+        group = self.group
+        return group is not None and self.unshard_in_backward and not group.done_reading
 
-    def _grad_hook(self, index: int) -> Callable[[nn.Parameter], None]:
+    def _grad_hook(self, group: ParamGroup, index: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
-            group = self.group
             self.ctx.start_backward()
             self.ctx.release_finished_reduces()
             group.accumulate_grad(index, param)
-            if group.requires_gradient_sync and len(group.arrived) == group.num_trainable:
-                self.ctx.reduce(group)
-            elif group.is_unsharded and group.reshard_after_backward and group.done_reading:
-                group.reshard()  # only embedding gradients to come: they need no weights
+            self._release(group)
 
         return hook
 
+    def _release(self, group: ParamGroup) -> None:
+        """Once backward reads ``group``'s parameters no more: reduce its gradients if they
+        are all in (this frees the parameters first), else free the parameters alone (only
+        embedding gradients to come, which need no weights; or accumulating without sync)."""
+        if not group.done_reading:
+            return
+        if group.requires_gradient_sync and group.num_trainable and group.grads_complete:
+            if group not in self.ctx.reduced:
+                self.ctx.reduce(group)
+        elif group.is_unsharded and group.reshard_after_backward:
+            group.reshard()
 
-def _prefetch(states: list[FSDPState | None]) -> None:
-    """Start the all-gathers of ``states``' groups (already gathered ones are skipped)."""
-    for state in states:
-        if state is not None and state.group is not None:
-            state.group.unshard(async_op=True)
+    def _watch_inputs(self, tree: Any) -> None:
+        """Have backward say when it has computed the gradients of this module's inputs: then
+        no node of the module's backward, which may read its frozen parameters, is left to
+        run (FSDP2's post-backward signal). Without such inputs the group waits for the end
+        of backward."""
+        inputs = [
+            t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not inputs:
+            self._inputs_pending = None
+        elif self._inputs_pending is not None:
+            self._inputs_pending += 1
+            forward_id = self._forward_id
+            register_multi_grad_hook(
+                inputs, lambda _: self._input_grads_done(forward_id), mode="all"
+            )
+
+    @torch._dynamo.disable
+    def _input_grads_done(self, forward_id: int) -> None:
+        if forward_id != self._forward_id or self._inputs_pending is None:
+            return  # an older forward's backward: the group waits for the end of backward
+        self._inputs_pending -= 1
+        if self._inputs_pending == 0:
+            self.ctx.start_backward()
+            self.group.inputs_done = True
+            self._release(self.group)
+
+
+def _prefetch(groups: list[ParamGroup]) -> None:
+    """Start the all-gathers of ``groups`` (already gathered ones are skipped)."""
+    for group in groups:
+        group.unshard(async_op=True)
+
+
+def _autograd_nodes(tree: Any) -> set[Any]:
+    return {
+        t.grad_fn
+        for t in tree_flatten(tree)[0]
+        if isinstance(t, torch.Tensor) and t.grad_fn is not None
+    }
+
+
+def _read_beyond_lookups(group: ParamGroup, outputs: list[torch.Tensor], stop: set[Any]) -> bool:
+    """Whether a node of the autograd graph from ``outputs`` back to ``stop`` (the nodes of
+    the forward's inputs) other than an embedding lookup takes one of ``group``'s unsharded
+    parameters: its backward may read the weight (e.g. a head tied by ``h @ embed.weight.T``).
+    A lookup's backward needs only the indices and the weight's size. One pass over the
+    forward's graph (about 1 ms for a 32-layer transformer)."""
+    ids = {id(mp.unsharded) for mp in group.params}
+    seen = set(stop)
+    pending = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None or child in seen:
+                continue
+            if type(child).__name__ != "AccumulateGrad":
+                pending.append(child)
+            elif id(child.variable) in ids and type(node).__name__ != "EmbeddingBackward0":
+                return True
+    return False
 
 
 def _check_ranks_agree(states: list[FSDPState]) -> None:
     """Before the first collective: every rank must have wrapped the same model the same way
     (a different model, shard policy or mixed-precision setting would plan other layouts and
     exchange the wrong bytes). One fingerprint all-reduce over the first group's mesh."""
-    groups = [s.group for s in states if s.group is not None]
+    groups = [g for s in states for g in s.groups]
     if not groups or groups[0].mesh.shard_size * groups[0].mesh.replicate_size == 1:
         return
     signatures = [
@@ -395,7 +524,7 @@ def _check_ranks_agree(states: list[FSDPState]) -> None:
             f"{state.reshard_after_forward}",
         )
         for state in states
-        if (g := state.group) is not None
+        for g in state.groups
         for mp in g.params
     ]
     check_fingerprint(groups[0].mesh, signatures, what="fully_shard parameter")
