@@ -497,18 +497,20 @@ class _HeadReadingTheEmbedding(nn.Module):
         return self.mix(self.embed(tokens)) @ self.embed.weight.T
 
 
-def _embedding_read_by_the_head() -> dict:
-    torch.manual_seed(0)
-    reference = _HeadReadingTheEmbedding()
-    torch.manual_seed(0)
-    ours = fully_shard(_HeadReadingTheEmbedding())
+def _embedding_read_by_the_head(frozen: bool) -> dict:
+    models = []
+    for wrap in (lambda m: m, fully_shard):
+        torch.manual_seed(0)
+        model = _HeadReadingTheEmbedding()
+        model.embed.weight.requires_grad_(not frozen)  # a frozen one's reads leave no trace
+        models.append(wrap(model))
+    reference, ours = models
     state = ours._raggedfsdp_state
-    inputs, targets = (my_rows(t) for t in batch(0, ROWS))
-    logits = ours(inputs)
+    inputs, targets = batch(0, ROWS)
+    logits = ours(my_rows(inputs))
     kept = state.forward_only.compute.is_full_allocated
-    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
-    full_inputs, full_targets = batch(0, ROWS)
-    F.cross_entropy(reference(full_inputs).flatten(0, 1), full_targets.flatten()).backward()
+    F.cross_entropy(logits.flatten(0, 1), my_rows(targets).flatten()).backward()
+    F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten()).backward()
     return {
         "own_group": [mp.fqn for mp in state.forward_only.params] == ["embed.weight"],
         "kept_for_backward": kept,
@@ -516,6 +518,7 @@ def _embedding_read_by_the_head() -> dict:
         "grad_error": max(
             (p.grad.full_tensor() - q.grad).abs().max().item()
             for p, q in zip(ours.parameters(), reference.parameters(), strict=True)
+            if q.requires_grad
         ),
     }
 
@@ -523,10 +526,12 @@ def _embedding_read_by_the_head() -> dict:
 @pytest.mark.parametrize("world_size", [2])
 def test_an_embedding_weight_read_beyond_its_lookup_stays_gathered_for_backward(pool):
     """The forward's autograd graph shows the head reading it: its group is not freed after
-    forward (it would be for a lookup alone, see the root test above)."""
-    for res in pool.run(_embedding_read_by_the_head):
-        assert res["own_group"] and res["kept_for_backward"], res
-        assert res["freed_after_backward"] and res["grad_error"] < 1e-6, res
+    forward (it would be for a lookup alone, see the root test above); nor is a frozen one,
+    whose reads the graph cannot show."""
+    for frozen in (False, True):
+        for res in pool.run(_embedding_read_by_the_head, frozen):
+            assert res["own_group"] and res["kept_for_backward"], (frozen, res)
+            assert res["freed_after_backward"] and res["grad_error"] < 1e-6, (frozen, res)
 
 
 class _ReusedUnderReentrantCheckpoints(nn.Module):

@@ -105,10 +105,7 @@ class ParamGroup:
         # set by the state once backward has computed the gradients of the module's inputs:
         # then no node of the module's backward (reading frozen parameters) is left to run
         self.inputs_done = False
-        # Params whose values backward may read: all but weights of plain nn.Embedding modules,
-        # whose backward needs only the token ids and the output gradient (fully_shard widens
-        # it to all of them for a forward whose graph reads such a weight elsewhere).
-        self.read_in_backward = frozenset(
+        self._read_in_backward = frozenset(
             i for i, mp in enumerate(params) if not is_plain_embedding_weight(mp)
         )
         self._held: dict[int, torch.Tensor] = {}  # fresh gradients not yet in the flat buffer
@@ -123,6 +120,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None
         self.use_sharded_params()
+        self._note_trainable()
 
     def _build_storage(self, device: torch.device) -> None:
         """The flat buffers on ``device`` (zero-filled) and the parameters as views of them."""
@@ -168,10 +166,30 @@ class ParamGroup:
             if mp.unsharded.requires_grad != mp.sharded.requires_grad:
                 mp.unsharded.requires_grad_(mp.sharded.requires_grad)
         self._install("unsharded")
+        self._note_trainable()
 
     @property
-    def num_trainable(self) -> int:
-        return sum(mp.requires_grad for mp in self.params)
+    def read_in_backward(self) -> frozenset[int]:
+        """Indices of the params whose values backward may read: all but weights of plain
+        ``nn.Embedding`` modules, whose backward needs only the token ids and the output
+        gradient (fully_shard sets all of them for a forward whose graph reads such a weight
+        elsewhere)."""
+        return self._read_in_backward
+
+    @read_in_backward.setter
+    def read_in_backward(self, indices: frozenset[int]) -> None:
+        self._read_in_backward = frozenset(indices)
+        self._note_trainable()
+
+    def _note_trainable(self) -> None:
+        """What the bookkeeping checks at every gradient's arrival, noted when it can change
+        (freezing takes effect at the next forward), so that a check costs no pass over the
+        group's parameters: how many gradients come, which of them backward waits for, and
+        whether it reads frozen parameters."""
+        trainable = frozenset(i for i, mp in enumerate(self.params) if mp.requires_grad)
+        self.num_trainable = len(trainable)
+        self._reads_to_arrive = self._read_in_backward & trainable
+        self.reads_frozen = not self._read_in_backward <= trainable
 
     # ----------------------------------------------------------------------------- conversion
     def check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -346,11 +364,6 @@ class ParamGroup:
             self._held[index] = grad
 
     @property
-    def reads_frozen(self) -> bool:
-        """Whether backward may read a frozen parameter: no gradient tells when that is over."""
-        return any(not self.params[i].requires_grad for i in self.read_in_backward)
-
-    @property
     def done_reading(self) -> bool:
         """Whether backward has no further use for the unsharded parameters: every trainable
         one it may read has its gradient (autograd accumulates a leaf's gradient only after
@@ -358,8 +371,7 @@ class ParamGroup:
         ran before the gradients of the module's inputs (``inputs_done``), and the rest are
         embedding weights, never read. A group of embeddings kept gathered after forward is
         then freed at once."""
-        trainable = {i for i in self.read_in_backward if self.params[i].requires_grad}
-        return trainable <= self.arrived and (self.inputs_done or not self.reads_frozen)
+        return self._reads_to_arrive <= self.arrived and (self.inputs_done or not self.reads_frozen)
 
     @property
     def grads_complete(self) -> bool:

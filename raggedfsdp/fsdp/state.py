@@ -328,17 +328,17 @@ class FSDPState:
             self._inputs_pending = 0
             if not ctx.order_recorded and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
-        if not recompute and torch.is_grad_enabled():
-            if self.forward_only is not None:
-                self._input_nodes.update(_autograd_nodes((args, kwargs)))
-            if self.group is not None and self.group.reads_frozen:
-                self._watch_inputs((args, kwargs))
         for group in self.groups:  # start all, then wait: a second group's gather overlaps
             group.unshard(async_op=True)
         for group in self.groups:
             group.unshard()
             group.use_unsharded_params()  # with the sharded parameters' requires_grad
         self._hook_gradients()
+        if not recompute and torch.is_grad_enabled():
+            if self.forward_only is not None:
+                self._input_nodes.update(_autograd_nodes((args, kwargs)))
+            if self.group is not None and self.group.reads_frozen:
+                self._watch_inputs((args, kwargs))
         if first_to_run:
             targets = [ctx.next_after(self, +1)]
             if self.forward_prefetch is not None:
@@ -380,9 +380,11 @@ class FSDPState:
         for group in self.groups:
             if group is self.forward_only and backward_comes:
                 # Kept where the user keeps parameters (no all-gather next forward), or where
-                # backward reads a weight beyond its lookups: then, like any group's, until
-                # every one of its gradients is in.
-                read = _read_beyond_lookups(group, outputs, stop)
+                # backward may read a weight beyond its lookups: then, like any group's, until
+                # every one of its gradients is in. A frozen weight's reads leave no trace in
+                # the graph (no gradient node): kept to the end of backward, as FSDP2 does.
+                frozen = not all(mp.requires_grad for mp in group.params)
+                read = frozen or _read_beyond_lookups(group, outputs, stop)
                 group.read_in_backward = frozenset(range(len(group.params)) if read else ())
                 free = self.reshard_after_forward is not False and group.reshard_after_backward
                 if free and not read:
