@@ -536,23 +536,25 @@ def test_an_embedding_weight_read_beyond_its_lookup_stays_gathered_for_backward(
 
 class _ReusedUnderReentrantCheckpoints(nn.Module):
     """``lin`` runs in two reentrant checkpoints: its gradient arrives twice in one backward,
-    from two nested backward passes."""
+    from two nested backward passes. In the order ``lin, other, lin`` every gradient of the
+    group is in before the first region's recomputation, which still reads ``lin``."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: str) -> None:
         super().__init__()
         self.other, self.lin = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.order = order.split(", ")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in (self.other, self.lin, self.lin):
-            x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
+        for name in self.order:
+            x = torch.utils.checkpoint.checkpoint(getattr(self, name), x, use_reentrant=True)
         return x
 
 
-def _reentrant_reuse() -> float:
+def _reentrant_reuse(order: str) -> float:
     torch.manual_seed(0)
-    reference = _ReusedUnderReentrantCheckpoints()
+    reference = _ReusedUnderReentrantCheckpoints(order)
     torch.manual_seed(0)
-    ours = fully_shard(_ReusedUnderReentrantCheckpoints())
+    ours = fully_shard(_ReusedUnderReentrantCheckpoints(order))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
     reference(x).square().sum().backward()
     ours(x.detach().requires_grad_()).square().sum().backward()
@@ -563,8 +565,11 @@ def _reentrant_reuse() -> float:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_a_gradient_arriving_twice_in_one_backward_is_summed(pool):
-    assert max(pool.run(_reentrant_reuse)) < 1e-6
+@pytest.mark.parametrize("order", ["other, lin, lin", "lin, other, lin"])
+def test_a_weight_reused_in_reentrant_checkpoints_gets_the_summed_gradient(pool, order):
+    """The group waits for its input's gradient, computed after the last recomputation
+    (before, the second order freed it early and the recomputation failed)."""
+    assert max(pool.run(_reentrant_reuse, order)) < 1e-6
 
 
 # ----------------------------------------------------------------------------- checkpointing

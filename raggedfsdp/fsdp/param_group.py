@@ -102,8 +102,10 @@ class ParamGroup:
         self._reduce: tuple[CommHandle, torch.Tensor] | None = None
         self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
         self.arrived: set[int] = set()  # params whose gradient came in the current backward
-        # set by the state once backward has computed the gradients of the module's inputs:
-        # then no node of the module's backward (reading frozen parameters) is left to run
+        # Whether this forward's modules all had inputs that take a gradient (the state then
+        # sets ``inputs_done`` when backward has computed those: no node of the modules'
+        # backward is left to run, FSDP2's post-backward signal)
+        self.awaits_inputs = False
         self.inputs_done = False
         self._read_in_backward = frozenset(
             i for i, mp in enumerate(params) if not is_plain_embedding_weight(mp)
@@ -365,13 +367,17 @@ class ParamGroup:
 
     @property
     def done_reading(self) -> bool:
-        """Whether backward has no further use for the unsharded parameters: every trainable
-        one it may read has its gradient (autograd accumulates a leaf's gradient only after
-        every node that takes it as input has run), frozen ones are read only by nodes that
-        ran before the gradients of the module's inputs (``inputs_done``), and the rest are
-        embedding weights, never read. A group of embeddings kept gathered after forward is
-        then freed at once."""
-        return self._reads_to_arrive <= self.arrived and (self.inputs_done or not self.reads_frozen)
+        """Whether backward has no further use for the unsharded parameters. With a signal from
+        the modules' inputs, once it came and every trainable parameter backward may read has
+        its gradient (a weight reused in several reentrant checkpoints has its gradient before
+        the last recomputation reads it). Without one (the root's inputs are token ids), once
+        those gradients are in (autograd accumulates a leaf's gradient only after every node
+        that takes it as input has run), unless a frozen parameter may be read: no gradient
+        says when that is over, so only the end of backward is. Embedding weights are never
+        read: a group of them kept gathered after forward is freed at once."""
+        if not self._reads_to_arrive <= self.arrived:
+            return False
+        return self.inputs_done if self.awaits_inputs else not self.reads_frozen
 
     @property
     def grads_complete(self) -> bool:

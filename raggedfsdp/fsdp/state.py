@@ -19,8 +19,9 @@ from then on:
   has them all, its parameters are freed, the gradients go into the flat gradient buffer and
   its reduce-scatter starts asynchronously (the root's norm and head right after the head's
   backward: its embedding is in a group of its own, freed after forward; see ``FSDPState``).
-  A group whose backward reads frozen parameters also waits for the gradients of its module's
-  inputs (FSDP2's post-backward signal): no gradient says when a frozen weight is read last;
+  A group whose modules' inputs take gradients also waits for those (FSDP2's post-backward
+  signal): frozen weights, and weights reused in several reentrant checkpoints, are read after
+  their gradients are in;
 * at the end of backward (an autograd callback queued by the root): reduce what is left (unused
   parameters get zeros), wait for every reduce-scatter, set the sharded ``.grad`` views and
   reshard everything.
@@ -242,8 +243,8 @@ class FSDPState:
         # (where the search for other uses of the embedding weights stops)
         self._outputs: list[torch.Tensor] = []
         self._input_nodes: set[Any] = set()
-        # a group reading frozen parameters in backward: this forward's number, and how many
-        # of its modules' input gradients are still to come (None: some had no such input)
+        # this forward's number, and how many of its modules' input gradients are still to
+        # come (None: some module had no input that takes a gradient)
         self._forward_id = 0
         self._inputs_pending: int | None = 0
         for module in modules:
@@ -326,6 +327,8 @@ class FSDPState:
             self._outputs, self._input_nodes = [], set()
             self._forward_id += 1
             self._inputs_pending = 0
+            if self.group is not None:
+                self.group.awaits_inputs = False
             if not ctx.order_recorded and self not in ctx.forward_order:
                 ctx.forward_order.append(self)
         for group in self.groups:  # start all, then wait: a second group's gather overlaps
@@ -337,7 +340,7 @@ class FSDPState:
         if not recompute and torch.is_grad_enabled():
             if self.forward_only is not None:
                 self._input_nodes.update(_autograd_nodes((args, kwargs)))
-            if self.group is not None and self.group.reads_frozen:
+            if self.group is not None:
                 self._watch_inputs((args, kwargs))
         if first_to_run:
             targets = [ctx.next_after(self, +1)]
@@ -445,9 +448,9 @@ class FSDPState:
 
     def _watch_inputs(self, tree: Any) -> None:
         """Have backward say when it has computed the gradients of this module's inputs: then
-        no node of the module's backward, which may read its frozen parameters, is left to
-        run (FSDP2's post-backward signal). Without such inputs the group waits for the end
-        of backward."""
+        no node of the module's backward is left to run (FSDP2's post-backward signal), even
+        one reading a frozen parameter or recomputing a reentrant checkpoint. A group whose
+        modules take no such input goes by its gradients alone (see ``done_reading``)."""
         inputs = [
             t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad
         ]
@@ -459,6 +462,7 @@ class FSDPState:
             register_multi_grad_hook(
                 inputs, lambda _: self._input_grads_done(forward_id), mode="all"
             )
+        self.group.awaits_inputs = self._inputs_pending is not None
 
     @torch._dynamo.disable
     def _input_grads_done(self, forward_id: int) -> None:
