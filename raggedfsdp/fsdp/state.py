@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from raggedfsdp.comm import ShardMesh, shard_subgroup
 from raggedfsdp.comm.fingerprint import check_fingerprint
@@ -338,10 +338,10 @@ class FSDPState:
             group.use_unsharded_params()  # with the sharded parameters' requires_grad
         self._hook_gradients()
         if not recompute and torch.is_grad_enabled():
+            if self.group is not None:
+                args, kwargs = self._watch_inputs((args, kwargs))
             if self.forward_only is not None:
                 self._input_nodes.update(_autograd_nodes((args, kwargs)))
-            if self.group is not None:
-                self._watch_inputs((args, kwargs))
         if first_to_run:
             targets = [ctx.next_after(self, +1)]
             if self.forward_prefetch is not None:
@@ -446,23 +446,24 @@ class FSDPState:
         elif group.is_unsharded and group.reshard_after_backward:
             group.reshard()
 
-    def _watch_inputs(self, tree: Any) -> None:
-        """Have backward say when it has computed the gradients of this module's inputs: then
-        no node of the module's backward is left to run (FSDP2's post-backward signal), even
-        one reading a frozen parameter or recomputing a reentrant checkpoint. A group whose
-        modules take no such input goes by its gradients alone (see ``done_reading``)."""
-        inputs = [
-            t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-        if not inputs:
+    def _watch_inputs(self, tree: Any) -> Any:
+        """Pass this module's inputs that take a gradient through ``_InputsBackward``, whose
+        backward runs once their gradients are computed: no node of the module's backward is
+        left to run then (FSDP2's post-backward signal), even one reading a frozen parameter
+        or recomputing a reentrant checkpoint. It runs before the gradient reaches the module
+        that made the inputs, so the group is freed before that one prefetches the next. A
+        group whose modules take no such input goes by its gradients (``done_reading``)."""
+        flat, spec = tree_flatten(tree)
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
             self._inputs_pending = None
         elif self._inputs_pending is not None:
             self._inputs_pending += 1
-            forward_id = self._forward_id
-            register_multi_grad_hook(
-                inputs, lambda _: self._input_grads_done(forward_id), mode="all"
-            )
+            watched = _InputsBackward.apply(self, self._forward_id, *(flat[i] for i in where))
+            for i, tensor in zip(where, watched, strict=True):
+                flat[i] = tensor
         self.group.awaits_inputs = self._inputs_pending is not None
+        return tree_unflatten(flat, spec)
 
     @torch._dynamo.disable
     def _input_grads_done(self, forward_id: int) -> None:
@@ -473,6 +474,21 @@ class FSDPState:
             self.ctx.start_backward()
             self.group.inputs_done = True
             self._release(self.group)
+
+
+class _InputsBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward tells the state that their gradients are
+    computed (FSDP2's ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, forward_id: int, *inputs: torch.Tensor) -> Any:
+        ctx.state, ctx.forward_id = state, forward_id
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.state._input_grads_done(ctx.forward_id)
+        return (None, None, *grads)
 
 
 def _prefetch(groups: list[ParamGroup]) -> None:
