@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+import raggedfsdp.fsdp.param_group as param_group_module
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
+from raggedfsdp.fsdp import FSDPModule
 from raggedfsdp.fsdp.state import in_backward
 from raggedfsdp.sharding import RaggedShard, RaggedTensor, row_units
 from tests.fsdp_training import (
@@ -483,6 +485,38 @@ def test_frozen_parameters_read_after_the_trainable_gradients_stay_gathered_unti
     for res in pool.run(_frozen_parameters_read_after_the_trainable_gradients, 3):
         assert res["vs_fsdp2"] < 1e-6 and res["frozen_kept"], res
         assert res["held_at_the_block_below"] == {"layers.1": False, "layers.2": False}, res
+
+
+def _gathered_at_each_backward_all_gather() -> list[int]:
+    """How many groups hold gathered parameters each time backward starts an all-gather."""
+    model = shard_blocks(make_model())
+    groups = [
+        g for m in model.modules() if isinstance(m, FSDPModule) for g in m._fsdp_state().groups
+    ]
+    loss_fn(model, *batch(0, 2)).backward()  # the first step records the order
+    original, held = param_group_module.all_gather_flat, []
+
+    def watched(*args, **kwargs):
+        if in_backward():  # the new buffer is allocated by now
+            held.append(sum(g.compute.is_full_allocated for g in groups))
+        return original(*args, **kwargs)
+
+    param_group_module.all_gather_flat = watched
+    try:
+        loss_fn(model, *batch(1, 2)).backward()
+    finally:
+        param_group_module.all_gather_flat = original
+    return held
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_backward_holds_two_groups_at_most_when_it_prefetches(pool):
+    """The one computing and the one prefetched: a block is freed once its input's gradient is
+    computed, before that gradient reaches the block below, whose backward prefetches the next
+    (the root's norm and head are freed after the head's backward, the embedding after
+    forward)."""
+    for held in pool.run(_gathered_at_each_backward_all_gather):
+        assert held == [2, 2, 2], held
 
 
 class _HeadReadingTheEmbedding(nn.Module):
