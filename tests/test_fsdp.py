@@ -667,6 +667,13 @@ def test_bad_input_is_refused_with_clear_errors():
     with pytest.raises(ValueError, match=r"'bias' is a RaggedTensor: fully_shard shards plain"):
         fully_shard(foreign.head)
     assert not hasattr(foreign.head, "_raggedfsdp_state")
+    # refused while planning the embedding's group, after the norm's and head's: nothing stays
+    root = make_model()
+    before = dict(root.named_parameters())
+    with pytest.raises(ValueError, match=r"unit=0 for parameter 'embed\.weight'"):
+        fully_shard(root, shard_policy=lambda fqn, p: 0 if fqn == "embed.weight" else 1)
+    assert dict(root.named_parameters()) == before and not hasattr(root, "_raggedfsdp_state")
+    fully_shard(root)  # and it can be wrapped afterwards
 
 
 def _dtensor_parameter() -> str:

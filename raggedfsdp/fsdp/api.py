@@ -305,7 +305,13 @@ def fully_shard(
     others = [mp for mp in params if not is_plain_embedding_weight(mp)]
     if not others:
         lookups, others = [], lookups
-    group, forward_only = group_of(others), group_of(lookups)
+    try:
+        group, forward_only = group_of(others), group_of(lookups)
+    except Exception:  # the first group may have put its sharded parameters in place
+        for mp, original in zip(params, originals, strict=True):
+            for module, name in mp.locations:
+                module._parameters[name] = original
+        raise
     for tensor in originals + [mp.sharded for mp in params]:
         tensor._raggedfsdp_owner = owner
     state = FSDPState(modules, group, reshard_after_forward, mp_policy, forward_only)
