@@ -86,8 +86,8 @@ class FSDPModule:
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``fully_shard``'s ``reshard_after_forward`` at run time (e.g. ``False`` for
-        gradient accumulation, or ``True`` on the root, which otherwise keeps its parameters
-        for backward)."""
+        gradient accumulation, or on the root for FSDP2's schedule, which keeps its parameters
+        from forward to its backward)."""
         if not isinstance(reshard_after_forward, bool):
             raise TypeError(
                 f"set_reshard_after_forward(reshard_after_forward={reshard_after_forward!r}): "
@@ -256,15 +256,18 @@ def fully_shard(
         mesh: 1-D ``DeviceMesh`` or process group (FSDP), 2-D ``DeviceMesh`` (HSDP: dim 0
             replicates, dim 1 shards), or ``None`` for the default group (a single process when
             torch.distributed is not initialised).
-        reshard_after_forward: ``True`` frees the unsharded parameters after forward and
-            gathers them again for backward (ZeRO-3); ``False`` keeps them until backward ends
-            (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default), as
-            FSDP2: ``True``, except for the root, whose backward runs first. An explicit
-            ``True`` on the root frees it during the loss's backward too, for one more
-            all-gather. An int ``k`` (dividing the shard size ``W``, e.g. the GPUs of one
-            node) keeps this rank's ``1/k`` of the gathered buffer after forward, so backward
-            gathers over ``k`` consecutive shard ranks only (FSDP2's meaning): ``W/k`` times
-            the sharded memory held from forward to backward, for an all-gather that stays
+        reshard_after_forward: ``True`` frees the unsharded parameters after forward and gathers
+            them again for backward (ZeRO-3); ``False`` keeps them until backward ends
+            (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default):
+            ``True``, the root included. FSDP2 keeps the root's parameters for its backward,
+            which comes first, through the loss's backward, usually the step's memory summit;
+            ours frees them and gathers them again when backward reaches the root, without
+            prefetching the next group beside the head's backward: one all-gather more per step,
+            exposed, for the root's weights (and one prefetch) less at the summit. ``False`` on
+            the root is FSDP2's default. An int ``k`` (dividing the shard size ``W``, e.g. the
+            GPUs of one node) keeps this rank's ``1/k`` of the gathered buffer after forward, so
+            backward gathers over ``k`` consecutive shard ranks only (FSDP2's meaning): ``W/k``
+            times the sharded memory held from forward to backward, for an all-gather that stays
             inside a node. ``1`` means ``False``, ``W`` means ``True``.
         mp_policy: mixed precision (see ``MixedPrecisionPolicy``).
         shard_policy: ``(fqn, param) -> unit in elements``; default element units, which pad

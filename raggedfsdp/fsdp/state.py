@@ -8,9 +8,10 @@ from then on:
   parameters, and start prefetching the next group in the recorded forward order (or the
   modules ``set_modules_to_forward_prefetch`` named);
 * post-forward: reshard (keeping a chunk for a subgroup's all-gather if
-  ``reshard_after_forward`` is an int; not at all if asked not to, or by default the root,
-  whose backward comes first; under ``torch.no_grad`` the root too, and groups asked to keep
-  their parameters keep only the memory, showing the sharded parameters again) and hook the
+  ``reshard_after_forward`` is an int; not at all if asked not to, and then under
+  ``torch.no_grad`` keeping only the memory, showing the sharded parameters again; by default
+  the root too, which FSDP2 keeps: the loss's backward, between the root's forward and its
+  backward, is usually the step's memory summit) and hook the
   outputs so the group is gathered again (unless ``set_unshard_in_backward(False)``, the
   default for groups of ``nn.Embedding`` weights, whose backward reads none), and the
   one before it (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their
@@ -373,10 +374,7 @@ class FSDPState:
         return output
 
     def _reshard_after_forward(self) -> None:
-        if self.reshard_after_forward is None:  # FSDP2's default: keep only the root
-            keep = self.is_root
-        else:
-            keep = not self.reshard_after_forward
+        keep = self.reshard_after_forward is False  # the default (None) frees the root too
         backward_comes = torch.is_grad_enabled()
         outputs, stop = self._outputs, self._input_nodes
         self._outputs, self._input_nodes = [], set()  # holding the outputs would keep the graph
@@ -401,19 +399,22 @@ class FSDPState:
                 # dicts, optimizers); the memory stays only where the user asked to keep it
                 # (``reshard_after_forward=False``, e.g. for evaluation loops), so the next
                 # forward needs no all-gather.
-                group.reshard(free=self.reshard_after_forward is None)
+                group.reshard(free=False)
 
     # ----------------------------------------------------------------------------- backward
     @torch._dynamo.disable
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         ctx.start_backward()
+        # The root's backward (the head's) comes right after the loss's, usually the step's
+        # memory summit: a root gathered only now does not prefetch the next group beside it.
+        regathered_root = self.is_root and self.group is not None and not self.group.is_unsharded
         if self.group is not None and self.unshard_in_backward:
             self.group.unshard()
             # recomputation (activation checkpointing) may run forward code that does not
             # pass through this module's hooks (e.g. a checkpointed inner forward)
             self.group.use_unsharded_params()
-        default = [ctx.next_in_backward(self)]
+        default = [] if regathered_root else [ctx.next_in_backward(self)]
         targets = default if self.backward_prefetch is None else self.backward_prefetch
         _prefetch([s.group for s in targets if s is not None and s.needs_backward_gather])
 
