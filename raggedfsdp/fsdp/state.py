@@ -408,8 +408,9 @@ class FSDPState:
         ctx.start_backward()
         # The root's backward (the head's) comes right after the loss's, usually the step's
         # memory summit: a root gathered only now does not prefetch the next group beside it.
-        regathered_root = self.is_root and self.group is not None and not self.group.is_unsharded
-        if self.group is not None and self.unshard_in_backward:
+        gathers = self.group is not None and self.unshard_in_backward
+        regathered_root = self.is_root and gathers and not self.group.is_unsharded
+        if gathers:
             self.group.unshard()
             # recomputation (activation checkpointing) may run forward code that does not
             # pass through this module's hooks (e.g. a checkpointed inner forward)
