@@ -491,9 +491,13 @@ def test_frozen_parameters_read_after_the_trainable_gradients_stay_gathered_unti
         assert res["held_at_the_block_below"] == {"layers.1": False, "layers.2": False}, res
 
 
-def _gathered_at_each_backward_all_gather() -> list[int]:
-    """How many groups hold gathered parameters each time backward starts an all-gather."""
-    model = shard_blocks(make_model())
+def _gathered_at_each_backward_all_gather(root_kept: bool) -> list[int]:
+    """How many groups hold gathered parameters each time backward starts an all-gather
+    (``root_kept``: ``reshard_after_forward=False`` on the root, FSDP2's schedule)."""
+    model = make_model()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model, reshard_after_forward=False if root_kept else None)
     groups = [
         g for m in model.modules() if isinstance(m, FSDPModule) for g in m._fsdp_state().groups
     ]
@@ -519,10 +523,15 @@ def test_backward_holds_two_groups_at_most_when_it_prefetches(pool):
     computed, before that gradient reaches the block below, whose backward prefetches the next
     (the root's norm and head are freed after the head's backward, the embedding after
     forward). Before that signal was an autograd Function, the count reached 3."""
-    for held in pool.run(_gathered_at_each_backward_all_gather):
+    for held in pool.run(_gathered_at_each_backward_all_gather, False):
         # the root alone (gathered again, no prefetch beside the head's backward), the last
         # block alone once the root is freed, then each block with the one it prefetches
         assert held == [1, 1, 2, 2], held
+    for held in pool.run(_gathered_at_each_backward_all_gather, True):
+        # FSDP2's schedule: the root's groups (norm and head; embedding, kept to the end as
+        # FSDP2 keeps it) held from forward, the last block prefetched beside the head's
+        # backward, then each block with the one it prefetches
+        assert held == [3, 3, 3], held
 
 
 class _HeadReadingTheEmbedding(nn.Module):
