@@ -4,6 +4,7 @@ checkpointing, gradient accumulation, zero-copy buffers and bad input."""
 from __future__ import annotations
 
 from functools import partial
+from unittest import mock
 
 import pytest
 import torch
@@ -147,11 +148,8 @@ def _flush_order() -> list[tuple[str, bool]]:
             seen.append((group.name, group.compute.is_full_allocated))
         flush(group)
 
-    ParamGroup.flush_held_grads = recording
-    try:
+    with mock.patch.object(ParamGroup, "flush_held_grads", recording):
         loss_fn(model, *batch(0, 2)).backward()
-    finally:
-        ParamGroup.flush_held_grads = flush
     return seen
 
 
@@ -509,11 +507,8 @@ def _gathered_at_each_backward_all_gather(root_kept: bool) -> list[int]:
             held.append(sum(g.compute.is_full_allocated for g in groups))
         return original(*args, **kwargs)
 
-    param_group_module.all_gather_flat = watched
-    try:
+    with mock.patch.object(param_group_module, "all_gather_flat", watched):
         loss_fn(model, *batch(1, 2)).backward()
-    finally:
-        param_group_module.all_gather_flat = original
     return held
 
 

@@ -107,6 +107,7 @@ class ParamGroup:
         # backward is left to run, FSDP2's post-backward signal)
         self.awaits_inputs = False
         self.inputs_done = False
+        self.reduce_started = False  # this backward's reduction of the group has begun
         self._read_in_backward = frozenset(
             i for i, mp in enumerate(params) if not is_plain_embedding_weight(mp)
         )
@@ -388,6 +389,7 @@ class ParamGroup:
         """Start the next backward's bookkeeping: no gradient arrived, no input done."""
         self.arrived.clear()
         self.inputs_done = False
+        self.reduce_started = False
 
     def flush_held_grads(self) -> None:
         """Move held gradients into the flat buffer, freeing each one once copied."""
@@ -445,6 +447,7 @@ class ParamGroup:
         """Reduce-scatter the flat gradient buffer (in place) into a fresh segment;
         asynchronous, finished by ``finish_reduce``."""
         self.flush_held_grads()
+        self.reduce_started = True
         with torch.no_grad():
             for i, mp in enumerate(self.params):  # parameters that got no gradient this window
                 if i not in self._received and mp.requires_grad:

@@ -99,7 +99,6 @@ class RootContext:
         self.backward_active = False
         self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
         self.final: set[int] = set()  # ids of sharded params whose .grad this backward set
-        self.reduced: set[ParamGroup] = set()  # groups whose reduction this backward started
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         _LIVE_CONTEXTS.add(self)
 
@@ -133,7 +132,6 @@ class RootContext:
         if not self.backward_active:
             self.backward_active = True
             self.final.clear()
-            self.reduced.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def finish_reduce(self, group: ParamGroup) -> None:
@@ -160,7 +158,6 @@ class RootContext:
         # every gradient is in: free the parameters before the flat buffer is filled
         group.reshard(free=group.reshard_after_backward)
         group.reduce_grads()
-        self.reduced.add(group)
         self.reducing.append(group)
         in_flight = 1 if group.device.type == "cuda" else 0
         while len(self.reducing) > in_flight:
@@ -181,7 +178,6 @@ class RootContext:
             group.reshard()
         self.reducing.clear()
         self.final.clear()
-        self.reduced.clear()
         self.backward_active = False
 
     def _finish_backward(self) -> None:
@@ -197,7 +193,6 @@ class RootContext:
             group.forget_backward()
         self.reducing.clear()
         self.final.clear()
-        self.reduced.clear()
         self.backward_active = False
 
 
@@ -443,7 +438,7 @@ class FSDPState:
         if not group.done_reading:
             return
         if group.requires_gradient_sync and group.num_trainable and group.grads_complete:
-            if group not in self.ctx.reduced:
+            if not group.reduce_started:
                 self.ctx.reduce(group)
         elif group.is_unsharded and group.reshard_after_backward:
             group.reshard()
