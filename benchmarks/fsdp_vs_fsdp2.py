@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 import warnings
@@ -48,6 +47,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from raggedfsdp.comm.launch import free_port
 
 MALLOC_ENV = {
     "MALLOC_MMAP_THRESHOLD_": "65536",
@@ -258,12 +259,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         help="blocks: each block, then the root; torchtitan: its apply_fsdp (embedding, blocks, "
         "[norm, output] kept unsharded after forward, root)",
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:

@@ -15,19 +15,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from raggedfsdp.comm.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mib(pid: int) -> float | None:
@@ -57,7 +52,7 @@ def run_once(run_dir: Path, steps: int, nproc: int) -> tuple[list[float], list[l
     train = f"--steps {steps} --wandb-mode disabled --checkpoint-every 0 --resume never"
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", *launch.split()),
-        *("--rdzv-endpoint", f"127.0.0.1:{_free_port()}"),
+        *("--rdzv-endpoint", f"127.0.0.1:{free_port()}"),
         *("-m", "recipes.llama.train", *train.split(), "--run-dir", str(run_dir)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

@@ -29,9 +29,10 @@ from fsdp_vs_fsdp2 import (
     add_model_arguments,
     build,
     build_floor,
-    free_port,
     gathered_bytes,
 )
+
+from raggedfsdp.comm.launch import free_port
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 
@@ -35,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor.debug import CommDebugMode
 
+from raggedfsdp.comm.launch import free_port
 from raggedfsdp.optim import Muon
 from raggedfsdp.optim.muon import newton_schulz
 from raggedfsdp.sharding import FlatBuffer, RaggedShard, RaggedTensor, TensorSpec, plan_layout
@@ -255,12 +255,6 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -276,7 +270,7 @@ def main() -> None:
         queue = ctx.Queue()
         mp.start_processes(
             _worker,
-            args=(world, _free_port(), args, queue),
+            args=(world, free_port(), args, queue),
             nprocs=world,
             start_method="spawn",
             join=True,

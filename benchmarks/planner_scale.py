@@ -24,9 +24,9 @@ import math
 import time
 from pathlib import Path
 
-from raggedfsdp.plan import Mesh, ModelShapes, Precision, Settings, UnitPolicy, estimate
-from raggedfsdp.plan.loader import load_model
-from raggedfsdp.plan.model_shapes import parse_shapes
+from raggedfsdp.capacity import Mesh, ModelShapes, Precision, Settings, UnitPolicy, estimate
+from raggedfsdp.capacity.loader import load_model
+from raggedfsdp.capacity.model_shapes import parse_shapes
 from raggedfsdp.sharding import Layout
 
 WORLDS = [2**k for k in range(3, 15)]  # 8 .. 16,384

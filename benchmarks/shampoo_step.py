@@ -82,7 +82,7 @@ def _measure(block: int, steps: int) -> dict:
             for n, p in params.items():
                 lo, hi = p.local_range
                 local = torch.randn(SHAPES[n], generator=gen).reshape(-1)[lo:hi].contiguous()
-                p.grad = RaggedTensor(local, p.ragged_shard, rank, p._group)
+                p.grad = RaggedTensor(local, p.ragged_shard, rank, p.group)
             in_eigh[0] = 0.0
             if world > 1:
                 dist.barrier()

@@ -2,10 +2,10 @@
 
 Sub-packages: :mod:`raggedfsdp.sharding` (RaggedShard, planner, flat buffers, RaggedTensor),
 :mod:`raggedfsdp.comm` (in-place collectives for gloo and NCCL), :mod:`raggedfsdp.fsdp`
-(``fully_shard``), :mod:`raggedfsdp.optim` (sharded optimizers), :mod:`raggedfsdp.plan` (the
-capacity planner CLI); modules :mod:`raggedfsdp.state_dict` (torch's state-dict helpers with
-RaggedTensors gathered and cut) and :mod:`raggedfsdp.checkpoint` (DCP loading without
-unpickling arbitrary objects).
+(``fully_shard``), :mod:`raggedfsdp.optim` (sharded optimizers), :mod:`raggedfsdp.capacity`
+(the capacity planner and its CLI, also reachable as ``raggedfsdp.plan``); modules
+:mod:`raggedfsdp.state_dict` (torch's state-dict helpers with RaggedTensors gathered and cut)
+and :mod:`raggedfsdp.checkpoint` (DCP loading without unpickling arbitrary objects).
 
 The top-level names are imported lazily (PEP 562) so that pure-Python tools such as
 ``python -m raggedfsdp.plan`` start without importing torch.

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from hypothesis import settings
 
-from tests.distributed import WorkerPool
+from tests.support.distributed import WorkerPool
 
 WORLD_SIZES = (1, 2, 3, 4)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -26,28 +27,29 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.hooks import RemovableHandle
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup, is_plain_embedding_weight
 from raggedfsdp.fsdp.state import (
+    STATE_ATTR,
     FSDPState,
     in_backward,
     reduced_in_this_backward,
+    state_of,
     unfinished_backward,
 )
-from raggedfsdp.sharding import RaggedTensor, ShardPolicy, element_units
+from raggedfsdp.sharding import DEFAULT_POLICY, RaggedTensor, ShardPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
-
-_STATE = "_raggedfsdp_state"
 
 
 class FSDPModule:
     """Methods added to every ``fully_shard``-ed module (its class becomes a subclass)."""
 
     def _fsdp_state(self) -> FSDPState:
-        return getattr(self, _STATE)
+        return getattr(self, STATE_ATTR)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's group now (e.g. to inspect or time it). ``async_op=True``
@@ -175,7 +177,7 @@ class FSDPModule:
 
     def _states(self, recurse: bool) -> list[FSDPState]:
         modules = self.modules() if recurse else [self]
-        return list(dict.fromkeys(getattr(m, _STATE) for m in modules if hasattr(m, _STATE)))
+        return list(dict.fromkeys(s for s in map(state_of, modules) if s is not None))
 
     def _groups(self, recurse: bool) -> list[ParamGroup]:
         return [group for state in self._states(recurse) for group in state.groups]
@@ -212,8 +214,8 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        return state._post_forward(module, args, method(*args, **kwargs))
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)
 
@@ -288,40 +290,53 @@ def fully_shard(
     owner = " + ".join(type(m).__name__ for m in modules)
     if params:
         _check_mesh_device(shard_mesh, params[0].original, params[0].fqn)
-    originals = [mp.original for mp in params]
 
-    def group_of(members: list[ManagedParam]) -> ParamGroup | None:
-        if not members:
-            return None
+    def build(members: list[ManagedParam]) -> ParamGroup:
         return ParamGroup(
             members,
             shard_mesh,
             mp_policy,
-            shard_policy or element_units(),
+            shard_policy or DEFAULT_POLICY,
             comm_streams=lambda: state.ctx.comm_streams() if state.ctx else (None, None),
             name=owner,
         )
 
-    # Weights of embedding lookups get their own group when there are others: backward reads
-    # none of them, so they need not stay gathered with (or be gathered again like) the rest.
+    group, forward_only = _form_groups(params, owner, build)
+    _install_step_guard()
+    state = FSDPState(modules, group, reshard_after_forward, mp_policy, forward_only)
+    for m in modules:
+        setattr(m, STATE_ATTR, state)
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+def _form_groups(
+    params: list[ManagedParam], owner: str, build: Callable[[list[ManagedParam]], ParamGroup]
+) -> tuple[ParamGroup | None, ParamGroup | None]:
+    """Shard ``params`` as the call's main group and, when there are other parameters too, a
+    group of their own for the weights of embedding lookups: backward reads none of them, so
+    they need not stay gathered with (or be gathered again like) the rest.
+
+    If a group fails to build, the modules get their original parameters back (the first group
+    may already have put its sharded ones in place). Both the original and the sharded tensors
+    are marked with ``owner``, so a later call that meets them again says which call took them.
+    """
+    originals = [mp.original for mp in params]
     lookups = [mp for mp in params if is_plain_embedding_weight(mp)]
     others = [mp for mp in params if not is_plain_embedding_weight(mp)]
     if not others:
         lookups, others = [], lookups
     try:
-        group, forward_only = group_of(others), group_of(lookups)
-    except Exception:  # the first group may have put its sharded parameters in place
+        main = build(others) if others else None
+        forward_only = build(lookups) if lookups else None
+    except Exception:
         for mp, original in zip(params, originals, strict=True):
             for module, name in mp.locations:
                 module._parameters[name] = original
         raise
     for tensor in originals + [mp.sharded for mp in params]:
         tensor._raggedfsdp_owner = owner
-    state = FSDPState(modules, group, reshard_after_forward, mp_policy, forward_only)
-    for m in modules:
-        setattr(m, _STATE, state)
-        m.__class__ = _fsdp_class(type(m))
-    return module
+    return main, forward_only
 
 
 def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -332,7 +347,7 @@ def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
             f"{type(module).__name__}"
         )
     for m in modules:
-        if hasattr(m, _STATE):
+        if state_of(m) is not None:
             raise ValueError(
                 f"{type(m).__name__} is already wrapped by fully_shard; wrap each module once "
                 "(blocks first, then the root)"
@@ -399,7 +414,7 @@ def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
             elif (mod, name) not in found[id(param)].locations:  # a module reached twice
                 found[id(param)].locations.append((mod, name))
         for child_name, child in mod._modules.items():
-            if child is not None and not hasattr(child, _STATE):
+            if child is not None and state_of(child) is None:
                 visit(child, f"{prefix}{child_name}.")
 
     for i, module in enumerate(modules):
@@ -440,4 +455,15 @@ def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kw
         )
 
 
-register_optimizer_step_pre_hook(_refuse_step_during_backward)
+_STEP_GUARD: list[RemovableHandle] = []  # the registered hook, once the first call made it
+_STEP_GUARD_LOCK = threading.Lock()
+
+
+def _install_step_guard() -> None:
+    """Register ``_refuse_step_during_backward`` as torch's global optimizer step pre-hook,
+    once. The first ``fully_shard`` does it rather than the import: the hook runs before every
+    torch optimizer's step in the process, which a program that only imports raggedfsdp (the
+    capacity planner, a checkpoint tool) should not pay for or see."""
+    with _STEP_GUARD_LOCK:
+        if not _STEP_GUARD:
+            _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_step_during_backward))

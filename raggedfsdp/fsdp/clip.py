@@ -47,7 +47,7 @@ def clip_grad_norm_(
     plain: list[torch.Tensor] = []
     for g in grads:
         if isinstance(g, RaggedTensor):
-            ragged_by_group.setdefault(g._group, []).append(g.local)
+            ragged_by_group.setdefault(g.group, []).append(g.local)
         else:
             plain.append(g)
     partials = []

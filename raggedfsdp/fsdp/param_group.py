@@ -33,7 +33,14 @@ from raggedfsdp.comm import (
 )
 from raggedfsdp.comm.errors import failing_as
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
-from raggedfsdp.sharding import FlatBuffer, Layout, RaggedTensor, ShardPolicy, TensorSpec
+from raggedfsdp.sharding import (
+    FlatBuffer,
+    Layout,
+    RaggedTensor,
+    ShardPolicy,
+    TensorSpec,
+    resolve_units,
+)
 from raggedfsdp.sharding import plan_layout as _plan_layout
 
 __all__ = ["ManagedParam", "ParamGroup", "is_plain_embedding_weight"]
@@ -468,6 +475,11 @@ class ParamGroup:
     def reduce_completed(self) -> bool:
         return self._reduce is None or self._reduce[0].is_completed()
 
+    @property
+    def reduce_pending(self) -> bool:
+        """Whether a reduce-scatter was started and ``finish_reduce`` has not run yet."""
+        return self._reduce is not None
+
     def finish_reduce(self) -> list[nn.Parameter]:
         """Wait for the reduce-scatter, free the full gradient buffer and set the sharded
         ``.grad`` of each parameter: a view of the reduced segment (cast to the parameters'
@@ -526,18 +538,8 @@ def is_plain_embedding_weight(mp: ManagedParam) -> bool:
 def _units(
     policy: ShardPolicy, params: list[ManagedParam], dtype: torch.dtype, world: int
 ) -> dict[str, int]:
-    """Each parameter's unit. A policy may decide for the whole group at once through
-    ``units_for_group(tensors, world_size)`` (e.g. Muon keeping matrices whole only where that
-    adds no padding); otherwise it is asked per parameter."""
-    if hasattr(policy, "units_for_group"):
-        tensors = [(mp.fqn, tuple(mp.original.shape), dtype) for mp in params]
-        units = policy.units_for_group(tensors, world)
-    else:
-        units = {mp.fqn: policy(mp.fqn, mp.original) for mp in params}
-    for fqn, unit in units.items():
-        if not isinstance(unit, int) or unit < 1:
-            raise ValueError(
-                f"shard_policy returned unit={unit!r} for parameter {fqn!r}; it must return a "
-                "positive number of elements (e.g. raggedfsdp.sharding.row_units(32))"
-            )
-    return units
+    """Each parameter's unit, through the one entry point every planner uses
+    (``resolve_units``): a group policy decides for the whole group, a plain one per
+    parameter (seeing the parameter itself)."""
+    tensors = [(mp.fqn, tuple(mp.original.shape), dtype) for mp in params]
+    return resolve_units(policy, tensors, world, {mp.fqn: mp.original for mp in params})

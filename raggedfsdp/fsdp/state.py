@@ -55,14 +55,24 @@ from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup
 
 __all__ = [
+    "STATE_ATTR",
     "FSDPState",
     "RootContext",
     "in_backward",
     "reduced_in_this_backward",
+    "state_of",
     "unfinished_backward",
 ]
 
+#: The attribute under which ``fully_shard`` keeps a module's ``FSDPState`` (on the module).
+STATE_ATTR = "_raggedfsdp_state"
+
 _LIVE_CONTEXTS: weakref.WeakSet[RootContext] = weakref.WeakSet()
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The ``FSDPState`` of a ``fully_shard``-ed module, or None for any other module."""
+    return getattr(module, STATE_ATTR, None)
 
 
 def in_backward() -> bool:
@@ -183,7 +193,11 @@ class RootContext:
     def _finish_backward(self) -> None:
         groups = [g for s in self.states for g in s.groups]
         for group in groups:  # groups with unused parameters never completed: zeros for those
-            if group.requires_gradient_sync and group.has_unreduced_grads and not group._reduce:
+            if (
+                group.requires_gradient_sync
+                and group.has_unreduced_grads
+                and not group.reduce_pending
+            ):
                 self.reduce(group)
         for group in [*self.reducing, *groups]:
             # parameters first, as in reduce(): then the flat buffer
@@ -244,8 +258,8 @@ class FSDPState:
         self._forward_id = 0
         self._inputs_pending: int | None = 0
         for module in modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward, prepend=False)
+            module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward, prepend=False)
         self._hooked: set[int] = set()  # ids of the unsharded params whose gradients are hooked
         self._hook_gradients()
 
@@ -280,9 +294,10 @@ class FSDPState:
         paths: dict[FSDPState, list[str]] = {}  # every state below the root, in module order
         for root, class_name in zip(self.modules, self.class_names, strict=True):
             for path, module in root.named_modules():
-                if hasattr(module, "_raggedfsdp_state"):
+                below = state_of(module)
+                if below is not None:
                     name = path or f"root ({class_name})"
-                    paths.setdefault(module._raggedfsdp_state, []).append(name)
+                    paths.setdefault(below, []).append(name)
         states = list(paths)
         for state, names in paths.items():
             name = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
@@ -303,7 +318,9 @@ class FSDPState:
 
     # ----------------------------------------------------------------------------- forward
     @torch._dynamo.disable
-    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """The forward pre-hook of each of the call's modules (and of methods registered with
+        ``register_fsdp_forward_method``): gather, prefetch, point at unsharded parameters."""
         self._lazy_init()
         ctx = self.ctx
         recompute = in_backward()
@@ -349,7 +366,9 @@ class FSDPState:
         return args, kwargs
 
     @torch._dynamo.disable
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """The forward hook of each of the call's modules: reshard after the last of them and
+        hook the outputs for backward."""
         if in_backward():  # recomputation for activation checkpointing: backward needs them
             return output
         tensors = [

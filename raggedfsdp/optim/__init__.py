@@ -8,7 +8,8 @@ declares the unit its math needs with ``shard_policy()``, which ``fully_shard`` 
 
 from raggedfsdp.optim.adamw import AdamW
 from raggedfsdp.optim.adamw8bit import AdamW8bit
-from raggedfsdp.optim.base import ShardedOptimizer, StateBytes, StateSpec
+from raggedfsdp.optim.base import ShardedOptimizer
+from raggedfsdp.optim.contract import StateBytes, StateSpec
 from raggedfsdp.optim.muon import Muon, split_muon_params
 from raggedfsdp.optim.shampoo import Shampoo
 

@@ -10,7 +10,7 @@ torch's kernels decide *how*.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,11 +18,12 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.base import ShardedOptimizer, StateSpec
-from raggedfsdp.optim.pieces import Piece, merge_runs, scalar_dtype, unwrap
+from raggedfsdp.optim.base import ShardedOptimizer
+from raggedfsdp.optim.contract import Piece, StateSpec
+from raggedfsdp.optim.pieces import merge_runs, scalar_dtype, unwrap
 from raggedfsdp.sharding import ShardPolicy, element_units
 
-__all__ = ["AdamW", "check_adam_args"]
+__all__ = ["AdamW", "adamw_update", "check_adam_args"]
 
 
 def check_adam_args(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
@@ -40,6 +41,55 @@ def check_adam_args(lr: Any, betas: Any, eps: float, weight_decay: float) -> Non
             raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def adamw_update(
+    group: Mapping[str, Any],
+    pieces: Sequence[Piece],
+    state: Mapping[Tensor, Mapping[str, Tensor]],
+    step: Tensor,
+) -> None:
+    """One AdamW step of ``pieces`` (all with gradients, all at ``step`` before it), with the
+    hyper-parameters of ``group`` (``torch.optim.AdamW``'s keys) and the moments in
+    ``state[piece.param]`` (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` with amsgrad).
+
+    A plain function, not a method, because two optimizers run it: ``AdamW`` on its groups and
+    ``Muon`` on the groups it leaves to AdamW. Neighbouring sharded pieces are merged into runs
+    first (element-wise math, so the bits are the same), then torch's own ``adam`` runs. ``step``
+    is not modified (the caller's runtime increments it).
+    """
+    keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+    sharded, single = [], []
+    for pc in pieces:
+        moments = state[pc.param]
+        entry = [pc.local(), pc.local_grad(), *(unwrap(moments[k]) for k in keys)]
+        (sharded if pc.sharded else single).append(entry)
+    runs = merge_runs(sharded) + single
+    if not runs:
+        return
+    columns = [list(c) for c in zip(*runs, strict=True)]
+    beta1, beta2 = group["betas"]
+    adam(
+        columns[0],
+        columns[1],
+        columns[2],
+        columns[3],
+        columns[4] if group["amsgrad"] else [],
+        [step.clone() for _ in runs],  # torch increments these; the caller owns `step`
+        foreach=group["foreach"],
+        capturable=group["capturable"],
+        differentiable=False,
+        fused=group["fused"],
+        has_complex=False,
+        decoupled_weight_decay=True,
+        amsgrad=group["amsgrad"],
+        beta1=beta1,
+        beta2=beta2,
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+    )
 
 
 class AdamW(ShardedOptimizer):
@@ -125,35 +175,4 @@ class AdamW(ShardedOptimizer):
         return torch.tensor(0.0, dtype=scalar_dtype())
 
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
-        keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-        sharded, single = [], []
-        for pc in pieces:
-            state = self.state[pc.param]
-            entry = [pc.local(), pc.local_grad(), *(unwrap(state[k]) for k in keys)]
-            (sharded if pc.sharded else single).append(entry)
-        runs = merge_runs(sharded) + single
-        if not runs:
-            return
-        columns = [list(c) for c in zip(*runs, strict=True)]
-        beta1, beta2 = group["betas"]
-        adam(
-            columns[0],
-            columns[1],
-            columns[2],
-            columns[3],
-            columns[4] if group["amsgrad"] else [],
-            [step.clone() for _ in runs],  # torch increments these; the base class owns `step`
-            foreach=group["foreach"],
-            capturable=group["capturable"],
-            differentiable=False,
-            fused=group["fused"],
-            has_complex=False,
-            decoupled_weight_decay=True,
-            amsgrad=group["amsgrad"],
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-        )
+        adamw_update(group, pieces, self.state, step)

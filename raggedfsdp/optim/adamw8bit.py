@@ -2,11 +2,12 @@
 
 Each step dequantizes the moments of a piece, runs AdamW in fp32, and requantizes them with a
 fresh absmax per block (bitsandbytes' scheme; the op sequence is torchao's ``AdamW8bit``, so one
-process gives its results bitwise). Blocks are fixed by the *parameter*: 256 consecutive elements
-of its flat index (``block_size``), or ``tile = (rows, cols)`` tiles of its 2-D view, and whether
-a parameter is quantized depends on its global size only. Shards are cut on block boundaries
-(``shard_policy``), so each rank quantizes whole blocks of its own and the results are the same
-bits at every world size.
+process gives its results bitwise): :func:`adamw8bit_update_` at the top of this file. Blocks are
+fixed by the *parameter*: 256 consecutive elements of its flat index (``block_size``), or
+``tile = (rows, cols)`` tiles of its 2-D view (``raggedfsdp.sharding.blocks.QuantBlocks``), and
+whether a parameter is quantized depends on its global size only. Shards are cut on block
+boundaries (``shard_policy``), so each rank quantizes whole blocks of its own and the results are
+the same bits at every world size.
 
 State per quantized parameter: ``<moment>_codes`` (uint8, the parameter's shape and split) and
 ``<moment>_absmax`` (fp32, one per block: shape ``(num_blocks,)`` or the tile grid, split with
@@ -16,7 +17,9 @@ below ``min_8bit_size`` elements keep torch-style ``exp_avg`` / ``exp_avg_sq`` i
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,19 +27,118 @@ from torch import Tensor
 
 from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.adamw import check_adam_args
-from raggedfsdp.optim.base import ShardedOptimizer, StateSpec, check_unit_alignment
-from raggedfsdp.optim.pieces import Piece, flat, merge_runs, unwrap
+from raggedfsdp.optim.base import ShardedOptimizer
+from raggedfsdp.optim.contract import Piece, StateSpec, check_unit_alignment
+from raggedfsdp.optim.pieces import flat, merge_runs, unwrap
 from raggedfsdp.optim.quant import BlockGrid, QuantMap, dequantize_, quantize_
-from raggedfsdp.sharding import RaggedShard, ShardPolicy, row_numel
+from raggedfsdp.sharding import RaggedShard, ShardPolicy
+from raggedfsdp.sharding.blocks import QuantBlocks
+from raggedfsdp.sharding.units import adamw8bit_policy, quantized_unit
 
-__all__ = ["AdamW8bit"]
+__all__ = ["AdamW8bit", "adamw8bit_update_", "adamw_fp32"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
 
 
-def _quantized_unit(shape: tuple[int, ...], block_size: int, tile: tuple[int, int] | None) -> int:
-    return tile[0] * row_numel(shape) if tile and len(shape) >= 2 else block_size
+# ----------------------------------------------------------------------------- the math
+@dataclass(frozen=True)
+class _Hyper:
+    """One step's scalars, as fp32 host tensors where torchao uses tensors."""
+
+    lr: Tensor
+    lr_wd: Tensor
+    bc1: Tensor
+    bc2_sqrt: Tensor
+    beta1: float
+    beta2: float
+    eps: float
+    maximize: bool
+
+    @classmethod
+    def of(cls, group: dict[str, Any], step: Tensor) -> _Hyper:
+        beta1, beta2 = group["betas"]
+        lr = torch.as_tensor(group["lr"]).to(device="cpu", dtype=torch.float32)
+        count = step + 1
+        return cls(
+            lr=lr,
+            lr_wd=lr * group["weight_decay"],
+            bc1=1 - beta1**count,
+            bc2_sqrt=(1 - beta2**count).sqrt(),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    """One moment of a piece as stored: flat uint8 ``codes``, flat fp32 ``absmax`` (one per
+    block) and the code map they index."""
+
+    codes: Tensor
+    absmax: Tensor
+    qmap: QuantMap
+
+
+def adamw_fp32(
+    p: Tensor, g: Tensor, states: list[Tensor], h: _Hyper
+) -> tuple[Tensor, list[Tensor]]:
+    """AdamW in fp32 on flat tensors, in torchao's op order (so results are its bits).
+
+    ``states`` are fp32 ``[exp_avg, exp_avg_sq(, max_exp_avg_sq)]``; returns the new parameter
+    values and the new states (to be stored, quantized or not, by the caller).
+    """
+    p32, g32 = p.float(), g.float()
+    if h.maximize:
+        g32 = -g32
+    p32 = p32 - h.lr_wd * p32
+    exp_avg = states[0].lerp(g32, 1 - h.beta1)
+    exp_avg_sq = states[1].lerp(g32.square(), 1 - h.beta2)
+    new_states = [exp_avg, exp_avg_sq]
+    second = exp_avg_sq
+    if len(states) == 3:
+        second = torch.maximum(states[2], exp_avg_sq)
+        new_states.append(second)
+    denom = (second.sqrt() / h.bc2_sqrt) + h.eps
+    p32 = p32 - h.lr * (exp_avg / h.bc1) / denom
+    return p32, new_states
+
+
+def adamw8bit_update_(
+    p: Tensor, g: Tensor, moments: Sequence[_Quantized], grid: BlockGrid, h: _Hyper
+) -> None:
+    """One 8-bit AdamW step of a flat piece, in place: dequantize its moments, AdamW in fp32,
+    requantize them with a fresh scale per block of ``grid``, write the parameter."""
+    states = []
+    for m in moments:
+        values = torch.empty(grid.numel, dtype=torch.float32, device=p.device)
+        dequantize_(values, grid, m.codes, m.absmax, m.qmap)
+        states.append(values)
+    new_p, new_states = adamw_fp32(p, g, states, h)
+    for m, new in zip(moments, new_states, strict=True):
+        quantize_(new, grid, m.codes, m.absmax, m.qmap)
+    p.copy_(new_p)
+
+
+def adamw_full_(p: Tensor, g: Tensor, states: Sequence[Tensor], h: _Hyper) -> None:
+    """The same step for moments kept in full precision (parameters below ``min_8bit_size``),
+    any shape as long as all agree."""
+    new_p, new_states = adamw_fp32(p, g, [s.float() for s in states], h)
+    for s, new in zip(states, new_states, strict=True):
+        s.copy_(new)
+    p.copy_(new_p)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+@dataclass(frozen=True)
+class _Blocks:
+    """A quantized piece's local block grid, and the global absmax grid and its split."""
+
+    local: BlockGrid
+    grid_shape: tuple[int, ...]
+    absmax_shard: RaggedShard | None
 
 
 class AdamW8bit(ShardedOptimizer):
@@ -82,7 +184,7 @@ class AdamW8bit(ShardedOptimizer):
         self.block_size = block_size
         self.tile = tuple(tile) if tile is not None else None
         self.min_8bit_size = min_8bit_size
-        self._grids: dict[Piece, tuple[BlockGrid, tuple[int, ...], RaggedShard | None]] = {}
+        self._blocks: dict[Piece, _Blocks] = {}
         defaults = {
             "lr": lr,
             "betas": tuple(float(b) for b in betas),
@@ -104,13 +206,7 @@ class AdamW8bit(ShardedOptimizer):
         """Units that keep every quantization block on one rank: ``block_size`` elements from the
         tensor's start (1-D blocks) or ``tile[0]`` whole rows (2-D tiles); one element for
         parameters that stay in full precision. Pass the optimizer's own settings."""
-
-        def unit(fqn: str, param: Tensor) -> int:
-            if param.numel() < min_8bit_size:
-                return 1
-            return _quantized_unit(tuple(param.shape), block_size, tile)
-
-        return unit
+        return adamw8bit_policy(block_size, tile, min_8bit_size)
 
     def _policy(self) -> ShardPolicy:
         return self.shard_policy(self.block_size, self.tile, self.min_8bit_size)
@@ -129,42 +225,26 @@ class AdamW8bit(ShardedOptimizer):
             )
         shape = tuple(piece.param.shape)
         what = f"a {self.tile} tile slab" if self.tile and len(shape) >= 2 else "a block"
-        check_unit_alignment(piece, _quantized_unit(shape, self.block_size, self.tile), what)
-
-    # ----------------------------------------------------------------------------- block grids
-    def _grid(self, piece: Piece) -> tuple[BlockGrid, tuple[int, ...], RaggedShard | None]:
-        """The piece's local block grid, the global absmax shape and its split over ranks."""
-        if piece in self._grids:
-            return self._grids[piece]
-        shape = tuple(piece.param.shape)
-        numel = piece.param.numel()
-        spec = piece.spec
-        ranges = (
-            [(0, numel)] if spec is None else [spec.local_range(r) for r in range(spec.world_size)]
-        )
-        start, stop = ranges[piece.rank]
-        if self.tile and len(shape) >= 2:
-            cols = row_numel(shape)
-            tr, tc = self.tile
-            grid_shape = (-(-(numel // cols) // tr), -(-cols // tc))
-            grid = BlockGrid((stop - start) // cols, cols, tr, tc)
-            counts = [-(-(b // cols) // tr) - a // cols // tr if b > a else 0 for a, b in ranges]
-            unit = grid_shape[1]
-        else:
-            b = self.block_size
-            grid_shape = (-(-numel // b),)
-            grid = BlockGrid(1, stop - start, 1, b)
-            counts = [-(-hi // b) - lo // b if hi > lo else 0 for lo, hi in ranges]
-            unit = 1
-        absmax_shard = (
-            None
-            if spec is None
-            else RaggedShard.from_counts(grid_shape, unit, counts, f"{piece.name}.absmax")
-        )
-        self._grids[piece] = (grid, grid_shape, absmax_shard)
-        return self._grids[piece]
+        check_unit_alignment(piece, quantized_unit(shape, self.block_size, self.tile), what)
 
     # ----------------------------------------------------------------------------- state
+    def _blocks_of(self, piece: Piece) -> _Blocks:
+        """The piece's quantization blocks (see ``QuantBlocks``), computed once."""
+        if piece in self._blocks:
+            return self._blocks[piece]
+        blocks = QuantBlocks.of(piece.param.shape, self.block_size, self.tile)
+        spec = piece.spec
+        start, stop = (0, blocks.numel) if spec is None else spec.local_range(piece.rank)
+        shard = None
+        if spec is not None:
+            counts = [blocks.counts(a, b) for a, b in itertools.pairwise(spec.bounds)]
+            shard = RaggedShard.from_counts(
+                blocks.grid_shape, blocks.count_unit, counts, f"{piece.name}.absmax"
+            )
+        found = _Blocks(BlockGrid(*blocks.local_view(start, stop)), blocks.grid_shape, shard)
+        self._blocks[piece] = found
+        return found
+
     def _moments(self, group: dict[str, Any]) -> tuple[str, ...]:
         return _MOMENTS if group["amsgrad"] else _MOMENTS[:2]
 
@@ -172,12 +252,15 @@ class AdamW8bit(ShardedOptimizer):
         n = piece.numel
         if not self._quantized(piece):
             return {m: StateSpec(n, piece.param.dtype) for m in self._moments(group)}
-        grid, grid_shape, absmax_shard = self._grid(piece)
+        blocks = self._blocks_of(piece)
         specs = {}
         for m in self._moments(group):
             specs[f"{m}_codes"] = StateSpec(n, torch.uint8)
             specs[f"{m}_absmax"] = StateSpec(
-                grid.num_blocks if n else 0, torch.float32, grid_shape, absmax_shard
+                blocks.local.num_blocks if n else 0,
+                torch.float32,
+                blocks.grid_shape,
+                blocks.absmax_shard,
             )
         return specs
 
@@ -187,88 +270,27 @@ class AdamW8bit(ShardedOptimizer):
 
     # ----------------------------------------------------------------------------- update
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
-        beta1, beta2 = group["betas"]
-        lr = torch.as_tensor(group["lr"]).to(device="cpu", dtype=torch.float32)
-        count = step + 1
-        h = _Hyper(
-            lr=lr,
-            lr_wd=lr * group["weight_decay"],
-            bc1=1 - beta1**count,
-            bc2_sqrt=(1 - beta2**count).sqrt(),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            maximize=group["maximize"],
-        )
+        h = _Hyper.of(group, step)
         moments = self._moments(group)
         full, full_single = [], []
         for pc in pieces:
-            if self._quantized(pc):
-                self._update_quantized(pc, moments, h)
+            state = self.state[pc.param]
+            if not self._quantized(pc):
+                entry = [pc.local(), pc.local_grad(), *(unwrap(state[m]) for m in moments)]
+                (full if pc.sharded else full_single).append(entry)
                 continue
-            state = self.state[pc.param]  # element-wise: any shape, as long as all agree
-            entry = [pc.local(), pc.local_grad(), *(unwrap(state[m]) for m in moments)]
-            (full if pc.sharded else full_single).append(entry)
-        for run in merge_runs(full) + full_single:
-            p, g, *states = run
-            new_p, new_states = _adamw(p, g, [s.float() for s in states], h)
-            for s, new in zip(states, new_states, strict=True):
-                s.copy_(new)
-            p.copy_(new_p)
-
-    def _update_quantized(self, pc: Piece, moments: Sequence[str], h: _Hyper) -> None:
-        grid, _, _ = self._grid(pc)
-        if grid.numel == 0:
-            return
-        state = self.state[pc.param]
-        p, g = flat(pc.local()), pc.local_grad().reshape(-1)
-        device = p.device
-        parts = [
-            (
-                flat(unwrap(state[f"{m}_codes"])),
-                flat(unwrap(state[f"{m}_absmax"])),
-                QuantMap.get(_SIGNED[m], device),
-            )
-            for m in moments
-        ]
-        states = []
-        for codes, absmax, qmap in parts:
-            values = torch.empty(grid.numel, dtype=torch.float32, device=device)
-            dequantize_(values, grid, codes, absmax, qmap)
-            states.append(values)
-        new_p, new_states = _adamw(p, g, states, h)
-        for (codes, absmax, qmap), new in zip(parts, new_states, strict=True):
-            quantize_(new, grid, codes, absmax, qmap)
-        p.copy_(new_p)
-
-
-class _Hyper:
-    """One step's scalars, as fp32 host tensors where torchao uses tensors."""
-
-    __slots__ = ("bc1", "bc2_sqrt", "beta1", "beta2", "eps", "lr", "lr_wd", "maximize")
-
-    def __init__(self, **values: Any) -> None:
-        for k, v in values.items():
-            setattr(self, k, v)
-
-
-def _adamw(p: Tensor, g: Tensor, states: list[Tensor], h: _Hyper) -> tuple[Tensor, list[Tensor]]:
-    """AdamW in fp32 on flat tensors, in torchao's op order (so results are its bits).
-
-    ``states`` are fp32 ``[exp_avg, exp_avg_sq(, max_exp_avg_sq)]``; returns the new parameter
-    values and the new states (to be stored, quantized or not, by the caller).
-    """
-    p32, g32 = p.float(), g.float()
-    if h.maximize:
-        g32 = -g32
-    p32 = p32 - h.lr_wd * p32
-    exp_avg = states[0].lerp(g32, 1 - h.beta1)
-    exp_avg_sq = states[1].lerp(g32.square(), 1 - h.beta2)
-    new_states = [exp_avg, exp_avg_sq]
-    second = exp_avg_sq
-    if len(states) == 3:
-        second = torch.maximum(states[2], exp_avg_sq)
-        new_states.append(second)
-    denom = (second.sqrt() / h.bc2_sqrt) + h.eps
-    p32 = p32 - h.lr * (exp_avg / h.bc1) / denom
-    return p32, new_states
+            grid = self._blocks_of(pc).local
+            if grid.numel == 0:
+                continue
+            p = flat(pc.local())
+            stored = [
+                _Quantized(
+                    flat(unwrap(state[f"{m}_codes"])),
+                    flat(unwrap(state[f"{m}_absmax"])),
+                    QuantMap.get(_SIGNED[m], p.device),
+                )
+                for m in moments
+            ]
+            adamw8bit_update_(p, pc.local_grad().reshape(-1), stored, grid, h)
+        for p, g, *states in merge_runs(full) + full_single:
+            adamw_full_(p, g, states, h)

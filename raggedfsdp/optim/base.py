@@ -1,4 +1,4 @@
-"""``ShardedOptimizer``: the base of every optimizer in ``raggedfsdp.optim``.
+"""``ShardedOptimizer``: the runtime under every optimizer in ``raggedfsdp.optim``.
 
 One class, three modes, the same user code:
 
@@ -9,14 +9,14 @@ One class, three modes, the same user code:
 * **fsdp** (``RaggedTensor`` parameters, e.g. from ``fully_shard``): each rank updates the local
   pieces where they lie, with no communication.
 
-In the sharded modes every state tensor is a ``RaggedTensor`` with the parameter's global shape
-(or, for per-block state, the block grid's), so ``state_dict()`` can be saved with
-``torch.distributed.checkpoint`` and loaded at any other world size. State is allocated eagerly
-there, packed per group in the order of the parameters' memory, so that neighbouring parameters'
-state is neighbouring too and element-wise updates run on whole runs (see ``pieces.merge_runs``).
+This file classifies parameters into those modes, builds the drop-in buckets and runs ``step``
+and ``zero_grad``. What a subclass declares and what it may rely on is the contract in
+:mod:`raggedfsdp.optim.contract`; state allocation, accounting and checkpoints are in
+:mod:`raggedfsdp.optim.state`.
 
 Every optimizer declares the unit its math needs with the classmethod ``shard_policy``; the drop-in
-mode plans its buffers with it and users pass it to ``fully_shard``, so both agree.
+mode plans its buffers with it (through ``resolve_units``, so a group policy decides for the whole
+bucket) and users pass it to ``fully_shard``, so both agree.
 
 Step counters follow torch (``state[p]["step"]``) but parameters that step together share one
 counter object, so the update of a group needs one bias correction, not one per parameter; a
@@ -25,10 +25,7 @@ parameter that misses a step gets its own counter from then on.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
-from copy import deepcopy
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,43 +37,13 @@ from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.comm.fingerprint import check_fingerprint, collective_device
 from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.checks import check_grad
+from raggedfsdp.optim.contract import Mode, Piece
 from raggedfsdp.optim.dropin import DropInBucket
-from raggedfsdp.optim.pieces import Mode, Piece, storage_bytes, unwrap
-from raggedfsdp.sharding import RaggedShard, RaggedTensor, ShardPolicy
+from raggedfsdp.optim.pieces import unwrap
+from raggedfsdp.optim.state import ShardedState
+from raggedfsdp.sharding import RaggedTensor, ShardPolicy, resolve_units
 
-__all__ = ["ShardedOptimizer", "StateBytes", "StateSpec"]
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """One state tensor of one parameter, as a subclass declares it.
-
-    Args:
-        numel: elements on this rank (the whole tensor in single mode).
-        dtype: of the state.
-        shape: global shape; None means the parameter's (and ``zeros_like`` in single mode).
-        shard: its global split in the sharded modes; None means the parameter's.
-    """
-
-    numel: int
-    dtype: torch.dtype
-    shape: tuple[int, ...] | None = None
-    shard: RaggedShard | None = None
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Optimizer-state memory of this rank.
-
-    ``state_bytes`` counts every state tensor this rank holds (step counters included, shared
-    ones once); ``local_elements`` are the parameter elements it updates and ``global_elements``
-    those of the whole parameters, so ``state_bytes / global_elements`` is the per-rank cost of
-    one model element (8 / W bytes for fp32 AdamW sharded over W ranks).
-    """
-
-    state_bytes: int
-    local_elements: int
-    global_elements: int
+__all__ = ["ShardedOptimizer"]
 
 
 def _param_list(params: Any) -> list[Any]:
@@ -90,11 +57,13 @@ def _param_list(params: Any) -> list[Any]:
     return list(params)
 
 
-class ShardedOptimizer(Optimizer):
-    """Base class: modes, sharded state, checks and checkpoints; subclasses write the math.
+class ShardedOptimizer(ShardedState, Optimizer):
+    """Base class: modes, drop-in buckets, checks and the step; subclasses write the math.
 
-    Subclasses implement ``shard_policy`` (classmethod), ``_policy`` (the instance's rule),
-    ``_state_specs``, ``_new_step`` and ``_update``.
+    Subclasses implement the hooks of :class:`~raggedfsdp.optim.contract.OptimizerHooks`:
+    ``shard_policy`` (classmethod), ``_policy`` (the instance's rule), ``_state_specs``,
+    ``_new_step`` and ``_update`` (``_check_piece`` optionally). State handling and checkpoints
+    come from :class:`~raggedfsdp.optim.state.ShardedState`.
 
     Args:
         params, defaults: as for ``torch.optim.Optimizer`` (named parameters welcome: errors
@@ -102,9 +71,6 @@ class ShardedOptimizer(Optimizer):
         mesh: the ranks the drop-in mode shards over: a ``DeviceMesh`` (2-D: HSDP), a process
             group, or None for the default group. Ignored by single and fsdp pieces.
     """
-
-    #: Group hyper-parameters that decide which state tensors exist; a checkpoint must agree.
-    _state_keys_depend_on: tuple[str, ...] = ()
 
     #: Skip a step on every rank when any reduced gradient holds inf/NaN (one flag all-reduce
     #: per step when on). Off by default, as in torch, where such a step poisons the state;
@@ -120,32 +86,6 @@ class ShardedOptimizer(Optimizer):
         super().__init__(params, defaults)
         self._build(range(len(self.param_groups)))
         self._built = True
-
-    # ----------------------------------------------------------------------------- subclass API
-    @classmethod
-    def shard_policy(cls, **config: Any) -> ShardPolicy:
-        """The unit each parameter must be cut into for this optimizer's math."""
-        raise NotImplementedError
-
-    def _policy(self) -> ShardPolicy:
-        """``shard_policy`` with this instance's configuration."""
-        raise NotImplementedError
-
-    def _state_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
-        """The state tensors of one parameter (``step`` excluded), in state-dict order."""
-        raise NotImplementedError
-
-    def _new_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
-        """A zero step counter of the dtype and device the update expects."""
-        raise NotImplementedError
-
-    def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
-        """Update ``pieces`` (all with gradients, all at step ``step`` before this one). The
-        base class increments ``step`` afterwards; do not modify it."""
-        raise NotImplementedError
-
-    def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
-        """Reject parameters the subclass cannot handle (called once per parameter)."""
 
     # ----------------------------------------------------------------------------- construction
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -207,27 +147,37 @@ class ShardedOptimizer(Optimizer):
         policy = self._policy()
         for gi in group_indices:
             plain = [pc for pc in new if pc.group_index == gi and pc.mode == "drop-in"]
-            kinds: dict[tuple[torch.dtype, torch.device], list[Piece]] = {}
-            for pc in plain:
-                kinds.setdefault((pc.param.dtype, pc.param.device), []).append(pc)
-            for members in kinds.values():
-                bucket = DropInBucket(
-                    [pc.name for pc in members],
-                    [pc.param for pc in members],
-                    [max(1, policy(pc.name, pc.param)) for pc in members],
-                    self._mesh,
-                    check_grad,
-                )
-                self._buckets.append(bucket)
-                for pc in members:
-                    pc.bucket = bucket
-                    pc.spec = bucket.layout.shards[pc.name]
-                    pc.rank = self._mesh.shard_rank
-                    pc.pgroup = self._mesh.shard_group
+            self._bucket(plain, policy)
         for pc in new:
             self._pieces[pc.param] = pc
         for gi in group_indices:
             self._allocate([pc for pc in new if pc.group_index == gi and pc.sharded])
+
+    def _bucket(self, plain: Sequence[Piece], policy: ShardPolicy) -> None:
+        """Move one group's drop-in parameters into flat buffers, one bucket per dtype and
+        device, with units from this optimizer's policy: a group policy (e.g. Muon keeping
+        matrices whole where that adds no padding) decides for the whole bucket."""
+        kinds: dict[tuple[torch.dtype, torch.device], list[Piece]] = {}
+        for pc in plain:
+            kinds.setdefault((pc.param.dtype, pc.param.device), []).append(pc)
+        for members in kinds.values():
+            tensors = [(pc.name, tuple(pc.param.shape), pc.param.dtype) for pc in members]
+            units = resolve_units(
+                policy, tensors, self._mesh.shard_size, {pc.name: pc.param for pc in members}
+            )
+            bucket = DropInBucket(
+                [pc.name for pc in members],
+                [pc.param for pc in members],
+                [units[pc.name] for pc in members],
+                self._mesh,
+                check_grad,
+            )
+            self._buckets.append(bucket)
+            for pc in members:
+                pc.bucket = bucket
+                pc.spec = bucket.layout.shards[pc.name]
+                pc.rank = self._mesh.shard_rank
+                pc.pgroup = self._mesh.shard_group
 
     def _make_piece(self, p: Tensor, name: str, gi: int) -> Piece:
         mode = self._mode_of(p)
@@ -243,7 +193,7 @@ class ShardedOptimizer(Optimizer):
                     f"parameter {name!r}: a RaggedTensor's local piece must be a contiguous 1-D "
                     f"view (got shape {tuple(local.shape)}, stride {local.stride()})"
                 )
-            return Piece(p, name, gi, mode, p.ragged_shard, p._rank, p._group)
+            return Piece(p, name, gi, mode, p.ragged_shard, p.rank, p.group)
         if mode == "drop-in" and not p.is_contiguous():
             raise ValueError(
                 f"parameter {name!r} is not contiguous (shape {tuple(p.shape)}, stride "
@@ -262,68 +212,6 @@ class ShardedOptimizer(Optimizer):
         return (
             f"group {piece.group_index}, name {piece.name!r}, shape {tuple(piece.param.shape)}, "
             f"{piece.param.dtype}, {piece.mode}{split}, hyper-parameters {hyper}"
-        )
-
-    # ----------------------------------------------------------------------------- state
-    def _allocate(self, pieces: Sequence[Piece]) -> None:
-        """Create zero state for ``pieces`` (one group): per-parameter tensors in single mode,
-        packed flat buffers in address order in the sharded modes. Pieces allocated together
-        share a step counter per device."""
-        if not pieces:
-            return
-        group = self.param_groups[pieces[0].group_index]
-        steps: dict[torch.device, Tensor] = {}
-        specs = {pc: self._state_specs(pc, group) for pc in pieces}
-        order = sorted(
-            (pc for pc in pieces if pc.sharded),
-            key=lambda pc: (str(pc.param.device), unwrap(pc.local()).data_ptr()),
-        )
-        packed: dict[Piece, dict[str, Tensor]] = {pc: {} for pc in order}
-        by_kind: dict[tuple[str, torch.dtype, torch.device], list[Piece]] = {}
-        for pc in order:
-            for key, spec in specs[pc].items():
-                by_kind.setdefault((key, spec.dtype, pc.param.device), []).append(pc)
-        for (key, dtype, device), members in by_kind.items():
-            total = sum(specs[pc][key].numel for pc in members)
-            buf = torch.zeros(total, dtype=dtype, device=device)
-            offset = 0
-            for pc in members:
-                n = specs[pc][key].numel
-                packed[pc][key] = pc.wrap(buf[offset : offset + n], specs[pc][key].shard)
-                offset += n
-        for pc in pieces:
-            device = pc.param.device
-            if device not in steps:
-                steps[device] = self._new_step(group, device)
-            state: dict[str, Tensor] = {"step": steps[device]}
-            for key, spec in specs[pc].items():
-                if pc.sharded:
-                    state[key] = packed[pc][key]
-                elif spec.shape is None and spec.dtype == pc.param.dtype:
-                    state[key] = torch.zeros_like(pc.param, memory_format=torch.preserve_format)
-                else:
-                    shape = spec.shape if spec.shape is not None else pc.param.shape
-                    state[key] = torch.zeros(shape, dtype=spec.dtype, device=device)
-            self.state[pc.param] = state
-
-    def init_state(self) -> None:
-        """Create the (zero) state of every parameter that has none yet.
-
-        The sharded modes do this at construction; in single mode state appears at the first
-        step, as in torch. Call it before loading a checkpoint into a fresh optimizer with
-        ``torch.distributed.checkpoint.load``, which loads into existing tensors.
-        """
-        for group in self.param_groups:
-            self._allocate([self._pieces[p] for p in group["params"] if p not in self.state])
-
-    def state_bytes(self, mode: Mode | None = None) -> StateBytes:
-        """Optimizer-state memory on this rank, over all parameters or those of one mode."""
-        pieces = [pc for pc in self._pieces.values() if mode in (None, pc.mode)]
-        tensors = [t for pc in pieces for t in self.state.get(pc.param, {}).values()]
-        return StateBytes(
-            storage_bytes(tensors),
-            sum(pc.numel for pc in pieces),
-            sum(pc.param.numel() for pc in pieces),
         )
 
     # ----------------------------------------------------------------------------- step
@@ -440,148 +328,3 @@ class ShardedOptimizer(Optimizer):
                 else:
                     grad.requires_grad_(False)
                 grad.zero_()
-
-    # ----------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format (``state`` by parameter index, ``param_groups``); values are the live
-        state tensors (``RaggedTensor`` in sharded modes, for DCP), except ``step`` which is a
-        copy per parameter since counters are shared internally."""
-        sd = super().state_dict()
-        sd["state"] = {
-            k: {key: (v.clone() if key == "step" else v) for key, v in s.items()}
-            for k, s in sd["state"].items()
-        }
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from ``state_dict()`` (the same world size and layout), from torch's
-        optimizer of the same kind, or one whose tensors are full (unsharded): each rank keeps
-        its piece. Checkpoints at another world size go through DCP (see ``init_state``).
-
-        Values are copied into this optimizer's tensors, which stay where they are, so DCP's
-        in-place loading and this call compose.
-        """
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre_hook(self, state_dict) or state_dict
-        groups, saved_groups = self.param_groups, deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
-                f"{len(groups)}"
-            )
-        for gi, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(
-                    f"parameter group {gi} has {len(g['params'])} parameters but the loaded "
-                    f"state dict's has {len(sg['params'])}"
-                )
-            for key in self._state_keys_depend_on:
-                if key in sg and sg[key] != g[key]:
-                    raise ValueError(
-                        f"parameter group {gi} was saved with {key}={sg[key]!r} but this optimizer "
-                        f"has {key}={g[key]!r}; build it with the same setting to load its state"
-                    )
-        index = {
-            old: p
-            for g, sg in zip(groups, saved_groups, strict=True)
-            for old, p in zip(sg["params"], g["params"], strict=True)
-        }
-        saved_state = state_dict["state"]
-        values: dict[Tensor, float] = {}
-        for old, p in index.items():
-            saved = saved_state.get(old)
-            if saved is None:
-                self._reset_state(p)
-                continue
-            if p not in self.state:
-                self._allocate([self._pieces[p]])
-            self._copy_state(self._pieces[p], saved)
-            values[p] = float(saved["step"])
-        for gi, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
-            sg["params"] = g["params"]
-            if "param_names" in g:
-                sg["param_names"] = g["param_names"]
-            self.param_groups[gi] = sg
-            self._share_steps(sg, [p for p in g["params"] if p in values], values)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _reset_state(self, p: Tensor) -> None:
-        """No saved state for ``p``: as if it had never stepped."""
-        piece = self._pieces[p]
-        if not piece.sharded:
-            self.state.pop(p, None)
-            return
-        state = self.state[p]
-        for key, t in state.items():
-            if key != "step":
-                unwrap(t).zero_()
-        state["step"] = self._new_step(self.param_groups[piece.group_index], p.device)
-
-    def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
-        state = self.state[piece.param]
-        if set(saved) != set(state):
-            raise ValueError(
-                f"parameter {piece.name!r}: the loaded state has keys {sorted(saved)} but "
-                f"{type(self).__name__} keeps {sorted(state)} for it (a checkpoint of another "
-                "optimizer, or other settings such as amsgrad / block size?)"
-            )
-        for key, dst in state.items():
-            if key != "step":
-                _copy_into(f"{piece.name!r} state {key!r}", dst, saved[key])
-
-    def _share_steps(self, group: dict[str, Any], params: Sequence[Tensor], values) -> None:
-        """Give parameters with equal loaded step counts one shared counter again."""
-        shared: dict[tuple[float, torch.device], Tensor] = {}
-        for p in params:
-            key = (values[p], p.device)
-            if key not in shared:
-                shared[key] = self._new_step(group, p.device).fill_(values[p])
-            self.state[p]["step"] = shared[key]
-
-
-def _copy_into(what: str, dst: Tensor, src: Any) -> None:
-    """Copy a loaded value into a state tensor: same split, or a full tensor to slice."""
-    if not isinstance(src, Tensor):
-        raise TypeError(f"{what}: expected a tensor, got {type(src).__name__}")
-    if not dst.is_floating_point() and src.dtype != dst.dtype:
-        raise TypeError(f"{what}: dtype {src.dtype} where {dst.dtype} is kept")
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"{what}: shape {tuple(src.shape)} where {tuple(dst.shape)} is kept")
-    if isinstance(src, RaggedTensor):
-        if not isinstance(dst, RaggedTensor) and src.ragged_shard.world_size == 1:
-            dst.copy_(src.local.view(dst.shape))
-            return
-        if not isinstance(dst, RaggedTensor) or src.ragged_shard != dst.ragged_shard:
-            raise ValueError(
-                f"{what} was saved with another sharding ({getattr(src, 'ragged_shard', None)}); "
-                "load resharded checkpoints with torch.distributed.checkpoint (DCP), or pass "
-                "full tensors"
-            )
-        if src.local.data_ptr() != dst.local.data_ptr() or not src.local.numel():
-            dst.local.copy_(src.local)
-        return
-    if isinstance(dst, RaggedTensor):
-        start, stop = dst.local_range
-        dst.local.copy_(src.reshape(-1)[start:stop])
-        return
-    if dst.data_ptr() != src.data_ptr():
-        dst.copy_(src)
-
-
-def check_unit_alignment(piece: Piece, unit: int, why: str) -> None:
-    """Raise unless every cut of a sharded parameter falls on a multiple of ``unit`` elements
-    from its start (so each ``unit``-aligned block is whole on one rank)."""
-    spec = piece.spec
-    if spec is None or unit <= 1:
-        return
-    for r in range(spec.world_size):
-        start = spec.offset(r)
-        if start % unit and start != spec.numel:
-            raise ValueError(
-                f"parameter {piece.name!r} (shape {tuple(spec.shape)}) is sharded with rank {r}'s "
-                f"piece starting at element {start}, which cuts {why} of {unit} elements. Shard "
-                f"it with this optimizer's policy (fully_shard(..., shard_policy="
-                f"<Optimizer>.shard_policy(...))) so units are multiples of {unit} elements "
-                f"(gcd now {math.gcd(start, unit)})"
-            )

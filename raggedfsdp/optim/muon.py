@@ -1,47 +1,67 @@
 """``Muon``: torch's Muon on ragged shards, each matrix orthogonalised by one owner rank.
 
-Muon's momentum is element-wise, so it runs on this rank's pieces where they lie. Newton–Schulz
-(NS) needs the *whole* matrix, so every matrix (every expert matrix of a stacked ``(E, m, n)``
-tensor) becomes an owner-compute job (``owner_compute``): a matrix that lies whole on one rank is
+The first screen is Muon itself: :func:`muon_update` is one step of one whole matrix, the op
+sequence of ``torch.optim.Muon`` (torch 2.13), built from three functions in the order of the
+algorithm — :func:`muon_momentum_`, :func:`newton_schulz`, :func:`muon_apply_`.
+
+The optimizer below runs those same three functions, on shards. Momentum and the final step are
+element-wise, so they run on this rank's pieces where they lie. Newton–Schulz (NS) needs the
+*whole* matrix, so every matrix (every expert matrix of a stacked ``(E, m, n)`` tensor) is an
+owner-compute job (``raggedfsdp.sharding.owners``): a matrix that lies whole on one rank is
 orthogonalised there with no communication; the others are balanced over ranks by NS cost, their
 pieces travel to the owner already cast to the NS dtype (bf16: half the bytes of fp32; the cast is
-element-wise, so nothing changes bitwise), and the bf16 update comes back the same way. The forward
-exchange runs asynchronously while the rank works on its communication-free matrices.
+element-wise, so nothing changes bitwise), and the bf16 update comes back the same way. The
+forward exchange runs while the rank orthogonalises its communication-free matrices. So every
+mode is bitwise equal to torch's Muon on the full parameters with the same gradients.
 
-The math is ``torch.optim.Muon``'s op sequence (torch 2.13), so every mode is bitwise equal to
-torch's Muon on the full parameters with the same gradients. Parameter groups with
-``use_muon=False`` (embeddings, head, norms, biases; see ``split_muon_params``) get torch's AdamW
-instead, as in Moonlight and Keller Jordan's ``MuonWithAuxAdam``.
+Parameter groups with ``use_muon=False`` (embeddings, head, norms, biases; see
+``split_muon_params``) get torch's AdamW instead (:func:`~raggedfsdp.optim.adamw.adamw_update`),
+as in Moonlight and Keller Jordan's ``MuonWithAuxAdam``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.adamw import AdamW, check_adam_args
-from raggedfsdp.optim.base import ShardedOptimizer, StateSpec
-from raggedfsdp.optim.owner_compute import ExchangePlan, Job, assign_owners
-from raggedfsdp.optim.pieces import Piece, scalar_dtype, unwrap
-from raggedfsdp.sharding import DEFAULT_ALIGNMENT_BYTES, TensorSpec, plan_layout
+from raggedfsdp.optim.adamw import adamw_update, check_adam_args
+from raggedfsdp.optim.base import ShardedOptimizer
+from raggedfsdp.optim.contract import Piece, StateSpec
+from raggedfsdp.optim.owner_compute import ExchangePlan
+from raggedfsdp.optim.pieces import scalar_dtype, unwrap
+from raggedfsdp.sharding import resolve_units
+from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
+from raggedfsdp.sharding.units import MuonShardPolicy, WholeMatrices, is_muon_matrix
 
-__all__ = ["Muon", "MuonShardPolicy", "newton_schulz", "ns_flops", "split_muon_params"]
+__all__ = [
+    "Muon",
+    "MuonShardPolicy",
+    "muon_apply_",
+    "muon_momentum_",
+    "muon_update",
+    "newton_schulz",
+    "ns_flops",
+    "split_muon_params",
+]
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-#: Last module names whose 2-D weights are not hidden matrices (they go to AdamW).
-ADAMW_MODULES = ("lm_head", "head", "output", "classifier", "wte", "wpe", "embed_tokens")
-
-WholeMatrices = bool | Literal["auto"]
 
 
 # ----------------------------------------------------------------------------- the math
+def muon_momentum_(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """``buf ← μ·buf + (1-μ)·g`` in place; returns what NS orthogonalises: Nesterov's
+    ``(1-μ)·g + μ·buf``, or ``buf`` itself. Element-wise, so it runs on any piece."""
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
 def newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float) -> Tensor:
     """Orthogonalise ``x`` (m, n), already in the NS dtype, with torch's exact op sequence;
     ``x`` is overwritten. Transposing wide-first keeps the Gram matrix min(m, n) square."""
@@ -57,13 +77,6 @@ def newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: flo
     return x.T if tall else x
 
 
-def ns_flops(m: int, n: int, steps: int) -> int:
-    """Matmul FLOPs of ``steps`` NS iterations on an m×n matrix: with s = min, l = max, each
-    iteration is X·Xᵀ (2s²l), A·A (2s³) and B·X (2s²l)."""
-    s, big = min(m, n), max(m, n)
-    return steps * (4 * s * s * big + 2 * s**3)
-
-
 def adjust_lr(lr: float, adjust_lr_fn: str | None, m: int, n: int) -> float:
     """torch's ``_adjust_lr`` for an m×n matrix (one expert's for stacked experts)."""
     if adjust_lr_fn is None or adjust_lr_fn == "original":
@@ -75,159 +88,59 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, m: int, n: int) -> float:
     )
 
 
+def muon_apply_(
+    param: Tensor, update: Tensor, lr: float, weight_decay: float, adjusted_lr: float
+) -> None:
+    """Decoupled weight decay, then the orthogonalised step scaled by ``adjusted_lr``; in
+    place and element-wise, so it runs on any piece."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(update, alpha=-adjusted_lr)
+
+
+def muon_update(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float,
+    nesterov: bool,
+    ns_coefficients: Sequence[float] = NS_COEFFICIENTS,
+    ns_steps: int = 5,
+    eps: float = 1e-7,
+    adjust_lr_fn: str | None = None,
+    ns_dtype: torch.dtype = torch.bfloat16,
+) -> None:
+    """One Muon step of one whole m×n matrix, in place (``torch.optim.Muon``'s, bitwise).
+
+    ``Muon.step`` runs exactly these three calls; it only splits them over ranks: the first and
+    the last on each rank's pieces, the middle one on the matrix's owner.
+    """
+    update = muon_momentum_(momentum_buffer, grad, momentum, nesterov).to(ns_dtype, copy=True)
+    update = newton_schulz(update, ns_coefficients, ns_steps, eps)
+    muon_apply_(param, update, lr, weight_decay, adjust_lr(lr, adjust_lr_fn, *param.shape))
+
+
 # ----------------------------------------------------------------------------- model helpers
-def _is_hidden_matrix(fqn: str, shape: Sequence[int]) -> bool:
-    """The usual split: 2-D (or stacked 3-D expert) weights, except embeddings and heads."""
-    module = fqn.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower() if "." in fqn else ""
-    return len(shape) in (2, 3) and module not in ADAMW_MODULES and "embed" not in fqn.lower()
-
-
 def split_muon_params(model: nn.Module, **adamw_options: Any) -> list[dict[str, Any]]:
-    """Two named parameter groups for ``Muon``: hidden 2-D matrices and stacked ``(E, m, n)``
-    experts (``use_muon=True``), and everything else — embeddings (``nn.Embedding`` or a name
-    with "embed"), output heads (``lm_head``, ``head``, ``output``, ``classifier``, ``wte``,
-    ``wpe``), norms, biases, 1-D — for AdamW (``use_muon=False``, plus ``adamw_options``, e.g.
-    ``lr`` or ``weight_decay`` for that group)."""
+    """Two named parameter groups for ``Muon``: the Muon matrices (``is_muon_matrix``: hidden
+    2-D matrices and stacked ``(E, m, n)`` experts) that are not ``nn.Embedding`` weights
+    (``use_muon=True``), and everything else — embeddings, output heads, norms, biases, 1-D —
+    for AdamW (``use_muon=False``, plus ``adamw_options``, e.g. ``lr`` or ``weight_decay`` for
+    that group)."""
     embedding = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }
     muon, other = [], []
     for name, p in model.named_parameters():
-        if id(p) not in embedding and _is_hidden_matrix(name, p.shape):
+        if id(p) not in embedding and is_muon_matrix(name, p.shape):
             muon.append((name, p))
         else:
             other.append((name, p))
     groups = [{"params": muon, "use_muon": True}, {"params": other, "use_muon": False}]
     groups[1].update(adamw_options)
     return [g for g in groups if g["params"]]
-
-
-class MuonShardPolicy:
-    """Units for ``fully_shard`` / the drop-in buffers: whole matrices (one expert matrix of a
-    stacked tensor) for Muon matrices, elements for the rest.
-
-    ``whole_matrices``: True always keeps Muon matrices whole (no NS communication, at the cost of
-    padding); False uses element units (least padding; matrices cut between ranks travel to their
-    owner); "auto" keeps a matrix whole only when the group's planned padding does not grow.
-    "auto" needs the whole group, so it is decided by ``units_for_group``; called per parameter
-    (``fully_shard`` today), "auto" answers element units.
-    """
-
-    def __init__(
-        self,
-        whole_matrices: WholeMatrices = "auto",
-        is_muon: Callable[[str, Sequence[int]], bool] = _is_hidden_matrix,
-        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-    ) -> None:
-        if whole_matrices not in (True, False, "auto"):
-            raise ValueError(f"whole_matrices={whole_matrices!r}: use True, False or 'auto'")
-        self.whole_matrices = whole_matrices
-        self.is_muon = is_muon
-        self.alignment_bytes = alignment_bytes
-
-    @staticmethod
-    def matrix_unit(shape: Sequence[int]) -> int:
-        return math.prod(shape[1:]) if len(shape) == 3 else math.prod(shape)
-
-    def __call__(self, fqn: str, param: Any) -> int:
-        shape = tuple(param.shape)
-        if self.whole_matrices is True and self.is_muon(fqn, shape):
-            return max(1, self.matrix_unit(shape))
-        return 1
-
-    def units_for_group(
-        self, tensors: Sequence[tuple[str, Sequence[int], Any]], world_size: int
-    ) -> dict[str, int]:
-        """Units for one group's ``(name, shape, dtype)`` tensors. "auto": start from element
-        units and make Muon matrices whole, all at once or else one by one (largest first),
-        while the planned padding stays at the element plan's."""
-        units = {name: 1 for name, _, _ in tensors}
-        candidates = [
-            name
-            for name, shape, _ in tensors
-            if self.is_muon(name, tuple(shape)) and self.matrix_unit(shape) > 1
-        ]
-        if self.whole_matrices is not True and (self.whole_matrices is False or world_size == 1):
-            return units
-        shapes = {name: tuple(shape) for name, shape, _ in tensors}
-        if self.whole_matrices is True:
-            return units | {n: self.matrix_unit(shapes[n]) for n in candidates}
-        dtype = str(tensors[0][2]).removeprefix("torch.") if tensors else "float32"
-
-        def padding(trial: dict[str, int]) -> int:
-            specs = [TensorSpec(n, shapes[n], dtype, trial[n]) for n, _, _ in tensors]
-            layout = plan_layout(specs, world_size, self.alignment_bytes)
-            return layout.buffer_numel - layout.numel
-
-        budget = padding(units)
-        every = units | {n: self.matrix_unit(shapes[n]) for n in candidates}
-        if padding(every) <= budget:
-            return every
-        for name in sorted(candidates, key=lambda n: -math.prod(shapes[n]))[:32]:
-            trial = units | {name: self.matrix_unit(shapes[name])}
-            if padding(trial) <= budget:
-                units = trial
-        return units
-
-
-# ----------------------------------------------------------------------------- planning
-@dataclass
-class _Matrix:
-    """One NS job: a matrix (or one expert) of a piece, and where this rank's part of it lies
-    in the piece's local flat view."""
-
-    piece: Piece
-    name: str
-    shape: tuple[int, int]
-    lo: int  # this rank's part: [lo, hi) of the piece's local view
-    hi: int
-
-
-@dataclass
-class _GroupPlan:
-    """What one group's NS work looks like; fixed while the shards are (so it is cached)."""
-
-    matrices: list[_Matrix]
-    exchange: ExchangePlan
-    group: Any
-    moved: bool  # any job changes rank (then every rank joins the exchange)
-    loads: list[float]  # NS FLOPs per rank
-    free: int  # jobs computed without communication (over all ranks)
-
-
-def _plan(pieces: Sequence[Piece], steps: int) -> _GroupPlan:
-    matrices, jobs = [], []
-    first = pieces[0]
-    world = 1 if first.spec is None else first.spec.world_size
-    me = first.rank if first.spec is not None else 0
-    for pc in pieces:
-        shape = tuple(pc.param.shape)
-        count, (m, n) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
-        spec = pc.spec
-        base = 0 if spec is None else spec.offset(me)
-        for e in range(count):
-            a, b = e * m * n, (e + 1) * m * n
-            if spec is None:
-                parts = ((0, b - a),)
-            else:
-                parts = tuple(
-                    (r, min(b, spec.offset(r) + spec.length(r)) - max(a, spec.offset(r)))
-                    for r in range(world)
-                    if min(b, spec.offset(r) + spec.length(r)) > max(a, spec.offset(r))
-                )
-            lo = max(a - base, 0)
-            hi = max(min(b - base, pc.numel), lo)
-            name = pc.name if count == 1 else f"{pc.name}[{e}]"
-            matrices.append(_Matrix(pc, name, (m, n), lo, hi))
-            jobs.append(Job(parts, float(ns_flops(m, n, steps))))
-    owners = assign_owners(jobs, world)
-    loads = [0.0] * world
-    for job, owner in zip(jobs, owners, strict=True):
-        loads[owner] += job.cost
-    exchange = ExchangePlan(jobs, owners, me, world)
-    moved = any(j.sole_holder != o for j, o in zip(jobs, owners, strict=True))
-    free = sum(j.sole_holder == o for j, o in zip(jobs, owners, strict=True))
-    return _GroupPlan(matrices, exchange, first.pgroup, moved, loads, free)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -245,6 +158,7 @@ class Muon(ShardedOptimizer):
             (``adamw_lr=None``: the group's ``lr``).
         ns_dtype: dtype of the NS iterations and of the pieces exchanged (torch: bf16); float32
             or float64 for accuracy tests.
+        whole_matrices: the drop-in buffers' units (see ``MuonShardPolicy``).
         mesh: ranks for the drop-in mode.
 
     After each ``step()``, ``last_step_stats`` holds this rank's ``bytes_sent`` /
@@ -314,11 +228,12 @@ class Muon(ShardedOptimizer):
         policy = self.shard_policy(self.whole_matrices, is_muon=lambda n, s: True)
         units: dict[str, int] = {}
         for gi, group in enumerate(self.param_groups):
-            named = [
-                (self._name(gi, i), tuple(p.shape), p.dtype) for i, p in enumerate(group["params"])
-            ]
             if group.get("use_muon", True):
-                units |= policy.units_for_group(named, self._mesh.shard_size)
+                named = [
+                    (self._name(gi, i), tuple(p.shape), p.dtype)
+                    for i, p in enumerate(group["params"])
+                ]
+                units |= resolve_units(policy, named, self._mesh.shard_size)
         return lambda name, param: units.get(name, 1)
 
     # ----------------------------------------------------------------------------- state
@@ -367,18 +282,7 @@ class Muon(ShardedOptimizer):
 
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
         if not group["use_muon"]:
-            adam_group = {
-                "amsgrad": False,
-                "betas": group["adamw_betas"],
-                "eps": group["adamw_eps"],
-                "lr": group["lr"] if group["adamw_lr"] is None else group["adamw_lr"],
-                "weight_decay": group["weight_decay"],
-                "maximize": False,
-                "foreach": None,
-                "capturable": False,
-                "fused": None,
-            }
-            AdamW._update(self, adam_group, pieces, step)  # type: ignore[arg-type]
+            adamw_update(_adamw_group(group), pieces, self.state, step)
             return
         by_group: dict[int, list[Piece]] = {}
         for pc in pieces:
@@ -387,57 +291,142 @@ class Muon(ShardedOptimizer):
             self._muon(group, members)
 
     def _muon(self, group: dict[str, Any], pieces: Sequence[Piece]) -> None:
-        """Momentum on the local pieces, NS per matrix on its owner, then the update."""
-        mu = group["momentum"]
-        inputs: dict[Piece, Tensor] = {}  # NS input, then NS output: this rank's flat pieces
-        for pc in pieces:
-            buf, grad = unwrap(self.state[pc.param]["momentum_buffer"]), pc.local_grad()
-            buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            inputs[pc] = update.to(self.ns_dtype, copy=True).reshape(-1)
-
+        """``muon_update`` on the pieces of one process group: momentum where the pieces lie,
+        NS on each matrix's owner, then the step where the pieces lie."""
         key = tuple(id(pc) for pc in pieces)
         if key not in self._plans:
             self._plans[key] = _plan(pieces, group["ns_steps"])
         plan = self._plans[key]
+        updates = {}  # this rank's flat NS inputs, then (in place) its NS outputs
+        for pc in pieces:
+            buf = unwrap(self.state[pc.param]["momentum_buffer"])
+            update = muon_momentum_(buf, pc.local_grad(), group["momentum"], group["nesterov"])
+            updates[pc] = update.to(self.ns_dtype, copy=True).reshape(-1)
+        self._orthogonalise(plan, updates, group)
+        lr = float(group["lr"])
+        for pc in pieces:
+            local = pc.local()
+            adjusted = adjust_lr(lr, group["adjust_lr_fn"], *pc.param.shape[-2:])
+            muon_apply_(local, updates[pc].view(local.shape), lr, group["weight_decay"], adjusted)
+        self._count(plan)
+
+    def _orthogonalise(
+        self, plan: _GroupPlan, updates: dict[Piece, Tensor], group: dict[str, Any]
+    ) -> None:
+        """Every matrix of ``updates`` to its owner, ``newton_schulz`` there, the result back
+        into ``updates``. The matrices held whole here are orthogonalised while the others
+        travel."""
         ex = plan.exchange
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+        def mine(j: int) -> Tensor:
+            mat = plan.matrices[j]
+            return updates[mat.piece][mat.lo : mat.hi]
 
         def orthogonalise(j: int, flat: Tensor) -> None:
             mat = plan.matrices[j]
             flat.view(mat.shape).copy_(newton_schulz(flat.view(mat.shape), *ns))
             self._stats["ns_run"].append(mat.name)
 
-        def mine(j: int) -> Tensor:
-            mat = plan.matrices[j]
-            return inputs[mat.piece][mat.lo : mat.hi]
-
-        # send pieces to owners; orthogonalise the local matrices meanwhile
-        finish = ex.start_to_owners(mine, inputs[pieces[0]], plan.group) if plan.moved else None
+        like = next(iter(updates.values()))
+        finish = ex.start_to_owners(mine, like, plan.group) if plan.moved else None
         for j in ex.local_jobs:
             orthogonalise(j, mine(j))
-        if finish is not None:
-            whole, owned = finish()
-            for j, flat in zip(ex.owned_jobs, owned, strict=True):
-                orthogonalise(j, flat)
-            for j, piece in ex.to_holders(whole, plan.group).items():
-                mine(j).copy_(piece)
+        if finish is None:
+            return
+        whole, owned = finish()
+        for j, flat in zip(ex.owned_jobs, owned, strict=True):
+            orthogonalise(j, flat)
+        for j, piece in ex.to_holders(whole, plan.group).items():
+            mine(j).copy_(piece)
 
-        lr = float(group["lr"])
-        for pc in pieces:
-            local = pc.local()
-            shape = tuple(pc.param.shape)[-2:]
-            local.mul_(1 - lr * group["weight_decay"])
-            local.add_(
-                inputs[pc].view(local.shape), alpha=-adjust_lr(lr, group["adjust_lr_fn"], *shape)
-            )
-
+    def _count(self, plan: _GroupPlan) -> None:
+        ex, stats = plan.exchange, self._stats
         size = torch.empty(0, dtype=self.ns_dtype).element_size()
         moved = (ex.elements_sent + ex.elements_received) * size if plan.moved else 0
-        stats = self._stats
         stats["bytes_sent"] += moved
         stats["bytes_received"] += moved
         stats["ns_flops"] += plan.loads[ex.rank]
         stats["ns_loads"].append(plan.loads)
         stats["matrices"] += len(plan.matrices)
         stats["matrices_local"] += plan.free
+
+
+def _adamw_group(group: dict[str, Any]) -> dict[str, Any]:
+    """The hyper-parameters ``adamw_update`` reads, from a ``use_muon=False`` group."""
+    return {
+        "amsgrad": False,
+        "betas": group["adamw_betas"],
+        "eps": group["adamw_eps"],
+        "lr": group["lr"] if group["adamw_lr"] is None else group["adamw_lr"],
+        "weight_decay": group["weight_decay"],
+        "maximize": False,
+        "foreach": None,
+        "capturable": False,
+        "fused": None,
+    }
+
+
+# ----------------------------------------------------------------------------- owner plan
+@dataclass
+class _Matrix:
+    """One NS job: a matrix (or one expert) of a piece, and where this rank's part of it lies
+    in the piece's local flat view."""
+
+    piece: Piece
+    name: str
+    shape: tuple[int, int]
+    lo: int  # this rank's part: [lo, hi) of the piece's local view
+    hi: int
+
+
+@dataclass
+class _GroupPlan:
+    """What one group's NS work looks like; fixed while the shards are (so it is cached)."""
+
+    matrices: list[_Matrix]
+    exchange: ExchangePlan
+    group: Any
+    moved: bool  # any job changes rank (then every rank joins the exchange)
+    loads: list[float]  # NS FLOPs per rank
+    free: int  # jobs computed without communication (over all ranks)
+
+
+def _plan(pieces: Sequence[Piece], steps: int) -> _GroupPlan:
+    """Every matrix of one process group's pieces, its owner (``assign_owners`` on NS cost)
+    and the exchange that takes it there and back; the same on every rank."""
+    first = pieces[0]
+    world = 1 if first.spec is None else first.spec.world_size
+    matrices, jobs = [], []
+    for pc in pieces:
+        for mat, job in _matrices(pc, steps):
+            matrices.append(mat)
+            jobs.append(job)
+    owners = assign_owners(jobs, world)
+    loads = [0.0] * world
+    for job, owner in zip(jobs, owners, strict=True):
+        loads[owner] += job.cost
+    exchange = ExchangePlan(jobs, owners, first.rank, world)
+    moved = any(j.sole_holder != o for j, o in zip(jobs, owners, strict=True))
+    free = sum(j.sole_holder == o for j, o in zip(jobs, owners, strict=True))
+    return _GroupPlan(matrices, exchange, first.pgroup, moved, loads, free)
+
+
+def _matrices(pc: Piece, steps: int) -> Iterator[tuple[_Matrix, Job]]:
+    """The matrices of one piece's parameter (one per expert of a stacked tensor), each with
+    its job: which ranks hold how much of it, and its NS cost."""
+    shape = tuple(pc.param.shape)
+    count, (m, n) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
+    bounds = None if pc.spec is None else pc.spec.bounds
+    base = 0 if bounds is None else bounds[pc.rank]
+    cost = float(ns_flops(m, n, steps))
+    for e in range(count):
+        start, stop = e * m * n, (e + 1) * m * n
+        if bounds is None:
+            job = Job(((0, stop - start),), cost)
+        else:
+            job = Job.spanning(start, stop, bounds, cost)
+        lo = max(start - base, 0)
+        hi = max(min(stop - base, pc.numel), lo)
+        name = pc.name if count == 1 else f"{pc.name}[{e}]"
+        yield _Matrix(pc, name, (m, n), lo, hi), job

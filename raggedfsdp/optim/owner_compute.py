@@ -1,17 +1,11 @@
-"""Owner compute: each whole matrix is worked on by exactly one rank.
+"""Owner compute: moving whole matrices' pieces to their owner rank and the results back.
 
-Muon's Newton–Schulz (and Shampoo's blocks when a forced layout cuts them) need whole matrices,
-but ragged shards may spread a matrix over several ranks. Instead of every rank gathering every
-matrix (and repeating all the work), each matrix gets one *owner*:
-
-* a matrix that lies entirely on one rank is owned there and needs no communication;
-* the others are assigned by longest-processing-time (LPT) balancing on their cost, preferring
-  a rank that already holds much of the matrix when that costs little balance;
-* pieces travel to owners in one batched uneven all-to-all (``all_to_all_single`` with split
-  sizes, the one uneven collective gloo supports) and results come back the same way.
-
-``assign_owners`` and ``ExchangePlan`` are plain Python, identical on every rank (they depend only
-on shapes and shards), so no extra communication decides who does what.
+Who owns which matrix is decided by ``raggedfsdp.sharding.owners`` (``Job``, ``assign_owners``:
+torch-free, shared with the capacity planner). This module moves the data: pieces travel to
+owners in one batched uneven all-to-all (``all_to_all_single`` with split sizes, the one uneven
+collective gloo supports) and results come back the same way. ``ExchangePlan`` is computed from
+the jobs and owners alone, identically on every rank, so no extra communication decides who
+sends what.
 """
 
 from __future__ import annotations
@@ -23,55 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from raggedfsdp.comm import all_to_all_uneven, failing_as
+from raggedfsdp.sharding.owners import Job
 
-__all__ = ["ExchangePlan", "Job", "assign_owners"]
-
-
-@dataclass(frozen=True)
-class Job:
-    """One matrix to work on whole: ``numel`` elements that are, in the global flat order of the
-    matrix, split into per-rank ``pieces`` ``(rank, length)`` in rank order (empty ones left
-    out), plus its cost (e.g. Newton–Schulz FLOPs)."""
-
-    pieces: tuple[tuple[int, int], ...]
-    cost: float
-
-    @property
-    def numel(self) -> int:
-        return sum(n for _, n in self.pieces)
-
-    @property
-    def sole_holder(self) -> int | None:
-        return self.pieces[0][0] if len(self.pieces) == 1 else None
-
-    def held_by(self, rank: int) -> int:
-        return sum(n for r, n in self.pieces if r == rank)
-
-
-def assign_owners(jobs: Sequence[Job], world: int, holder_slack: float = 0.1) -> list[int]:
-    """One owner per job, balancing total cost over ranks.
-
-    Jobs held whole by one rank stay there. The rest go, largest first, to the rank whose load
-    would be lowest; if the rank holding most of the job would end within ``holder_slack`` of that
-    (relative), it wins instead, saving the transfer of its piece. Ties go to the lower rank, so
-    the result is deterministic.
-    """
-    owners = [-1] * len(jobs)
-    load = [0.0] * world
-    for i, job in enumerate(jobs):
-        if job.sole_holder is not None:
-            owners[i] = job.sole_holder
-            load[job.sole_holder] += job.cost
-    rest = sorted((i for i in range(len(jobs)) if owners[i] < 0), key=lambda i: -jobs[i].cost)
-    for i in rest:
-        job = jobs[i]
-        best = min(range(world), key=lambda r: (load[r], r))
-        holder = max(range(world), key=lambda r: (job.held_by(r), -r))
-        if load[holder] + job.cost <= (load[best] + job.cost) * (1 + holder_slack):
-            best = holder
-        owners[i] = best
-        load[best] += job.cost
-    return owners
+__all__ = ["ExchangePlan"]
 
 
 @dataclass

@@ -1,86 +1,24 @@
-"""What one rank updates: a ``Piece`` per parameter, and merging pieces into flat runs.
+"""Merging this rank's pieces into flat runs, and the small tensor helpers the optimizers share.
 
-Sharded optimizers update only this rank's piece of each parameter: a 1-D view of a flat
-buffer. Pieces of neighbouring parameters are usually neighbours in memory too (the planner packs
-a group's tensors back to back), so element-wise math can run on the *run* they form as one
-tensor: a few large kernels per step instead of one per parameter. ``merge_runs`` finds those runs
-by address, so it is correct whatever made the buffers; it never merges across a gap, because a
-gap may hold another group's parameter or padding that is not ours to touch.
+Sharded optimizers update only this rank's piece of each parameter (a
+:class:`~raggedfsdp.optim.contract.Piece`): a 1-D view of a flat buffer. Pieces of neighbouring
+parameters are usually neighbours in memory too (the planner packs a group's tensors back to
+back), so element-wise math can run on the *run* they form as one tensor: a few large kernels per
+step instead of one per parameter. ``merge_runs`` finds those runs by address, so it is correct
+whatever made the buffers; it never merges across a gap, because a gap may hold another group's
+parameter or padding that is not ours to touch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import Tensor
 
-from raggedfsdp.sharding import RaggedShard, RaggedTensor
+from raggedfsdp.sharding import RaggedTensor
 
-if TYPE_CHECKING:
-    import torch.distributed as dist
-
-    from raggedfsdp.optim.dropin import DropInBucket
-
-__all__ = ["Mode", "Piece", "merge_runs"]
-
-#: ``single``: plain parameters, one process (torch's behaviour); ``drop-in``: plain replicated
-#: parameters kept in the optimizer's ZeRO-2 flat buffers; ``fsdp``: ``RaggedTensor`` parameters
-#: from ``fully_shard`` (or built by hand), updated where they lie.
-Mode = Literal["single", "drop-in", "fsdp"]
-
-
-@dataclass(eq=False)
-class Piece:
-    """This rank's part of one parameter.
-
-    ``spec`` is the parameter's split over ``pgroup`` (None in single mode, where the piece is the
-    whole parameter in its own shape); ``bucket`` holds the flat buffers in drop-in mode.
-    """
-
-    param: Tensor
-    name: str
-    group_index: int
-    mode: Mode
-    spec: RaggedShard | None = None
-    rank: int = 0
-    pgroup: dist.ProcessGroup | None = None
-    bucket: DropInBucket | None = None
-
-    @property
-    def sharded(self) -> bool:
-        return self.mode != "single"
-
-    @property
-    def numel(self) -> int:
-        """Elements this rank holds."""
-        return self.param.numel() if self.spec is None else self.spec.length(self.rank)
-
-    def local(self) -> Tensor:
-        """The values to update in place: the parameter itself (single mode) or a 1-D view."""
-        if self.mode == "fsdp":
-            return self.param.local
-        if self.mode == "drop-in":
-            return self.bucket.params.shard_view(self.name)
-        return self.param
-
-    def local_grad(self) -> Tensor | None:
-        """The (reduced) gradient of the local piece, or None when there is none."""
-        if self.mode == "drop-in":
-            return self.bucket.grads.shard_view(self.name)
-        grad = self.param.grad
-        if grad is None or self.mode == "single":
-            return grad
-        return grad.local
-
-    def wrap(self, local: Tensor, spec: RaggedShard | None = None) -> Tensor:
-        """A state tensor as users and checkpoints see it: a ``RaggedTensor`` with the global shape
-        in sharded modes (``spec`` defaults to the parameter's), the tensor itself otherwise."""
-        if not self.sharded:
-            return local
-        return RaggedTensor(local, spec or self.spec, self.rank, self.pgroup)
+__all__ = ["flat", "is_view_of", "merge_runs", "scalar_dtype", "storage_bytes", "unwrap"]
 
 
 def unwrap(t: Tensor) -> Tensor:

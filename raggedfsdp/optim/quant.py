@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import einops
 import torch
 from torch import Tensor
 
@@ -30,6 +31,25 @@ __all__ = ["BlockGrid", "QuantMap", "dequantize_", "dynamic_map", "nearest_codes
 #: Floor of a block's scale, as in bitsandbytes and torchao: an all-zero block must not divide
 #: by zero.
 MIN_ABSMAX = 1e-12
+
+
+def quantize_(values: Tensor, grid: BlockGrid, codes: Tensor, absmax: Tensor, qmap: QuantMap):
+    """Quantize the flat fp32 ``values`` into ``codes`` (uint8, same size) and ``absmax`` (one
+    fp32 per block, flat): each block's scale is its largest magnitude, each element's code the
+    map point nearest to ``value / scale``."""
+    for rows, cols, tr, tc in grid.regions():
+        x = grid.blocks(values, rows, cols, tr, tc)
+        scale = x.abs().amax(dim=(1, 3), keepdim=True).clamp_min(MIN_ABSMAX)  # one per tile
+        grid.scales(absmax, rows, cols).copy_(scale)
+        grid.blocks(codes, rows, cols, tr, tc).copy_(nearest_codes(x / scale, qmap))
+
+
+def dequantize_(out: Tensor, grid: BlockGrid, codes: Tensor, absmax: Tensor, qmap: QuantMap):
+    """Write ``qmap[code] * absmax`` into the flat fp32 ``out``."""
+    for rows, cols, tr, tc in grid.regions():
+        c = grid.blocks(codes, rows, cols, tr, tc)
+        values = qmap.values.index_select(0, c.reshape(-1).int()).view(c.shape)
+        torch.mul(values, grid.scales(absmax, rows, cols), out=grid.blocks(out, rows, cols, tr, tc))
 
 
 def dynamic_map(signed: bool) -> Tensor:
@@ -159,34 +179,16 @@ class BlockGrid:
                 if r1 > r0 and c1 > c0:
                     yield slice(r0, r1), slice(c0, c1), tr, tc
 
-    def _blocks(self, flat: Tensor, rows: slice, cols: slice, tr: int, tc: int) -> Tensor:
-        """The region as a ``(block rows, tr, block cols, tc)`` view of ``flat``."""
+    def blocks(self, flat: Tensor, rows: slice, cols: slice, tr: int, tc: int) -> Tensor:
+        """The region as a ``(block rows, tr, block cols, tc)`` view of ``flat``: writes to it
+        land in ``flat``."""
         region = flat.view(self.rows, self.cols)[rows, cols]
-        return region.view(region.shape[0] // tr, tr, region.shape[1] // tc, tc)
+        return einops.rearrange(region, "(br tr) (bc tc) -> br tr bc tc", tr=tr, tc=tc)
 
-    def _scales(self, absmax: Tensor, rows: slice, cols: slice) -> Tensor:
-        """The region's part of the absmax grid, ``(block rows, block cols)``."""
+    def scales(self, absmax: Tensor, rows: slice, cols: slice) -> Tensor:
+        """The region's part of the absmax grid as a ``(block rows, 1, block cols, 1)`` view of
+        ``absmax``: one scale per tile of ``blocks``, broadcast over the tile."""
         grid = absmax.view(self.grid)
         r0, c0 = rows.start // self.tile_rows, cols.start // self.tile_cols
         r1, c1 = -(-rows.stop // self.tile_rows), -(-cols.stop // self.tile_cols)
-        return grid[r0:r1, c0:c1]
-
-
-def quantize_(values: Tensor, grid: BlockGrid, codes: Tensor, absmax: Tensor, qmap: QuantMap):
-    """Quantize the flat fp32 ``values`` into ``codes`` (uint8, same size) and ``absmax`` (one
-    fp32 per block, flat), with a fresh scale per block."""
-    for rows, cols, tr, tc in grid.regions():
-        x = grid._blocks(values, rows, cols, tr, tc)
-        scale = x.abs().amax(dim=(1, 3)).clamp_min(MIN_ABSMAX)
-        grid._scales(absmax, rows, cols).copy_(scale)
-        scaled = x / scale[:, None, :, None]
-        grid._blocks(codes, rows, cols, tr, tc).copy_(nearest_codes(scaled, qmap))
-
-
-def dequantize_(out: Tensor, grid: BlockGrid, codes: Tensor, absmax: Tensor, qmap: QuantMap):
-    """Write ``qmap[code] * absmax`` into the flat fp32 ``out``."""
-    for rows, cols, tr, tc in grid.regions():
-        c = grid._blocks(codes, rows, cols, tr, tc)
-        values = qmap.values.index_select(0, c.reshape(-1).int()).view(c.shape)
-        scale = grid._scales(absmax, rows, cols)
-        torch.mul(values, scale[:, None, :, None], out=grid._blocks(out, rows, cols, tr, tc))
+        return einops.rearrange(grid[r0:r1, c0:c1], "br bc -> br 1 bc 1")

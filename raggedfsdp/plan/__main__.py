@@ -1,5 +1,5 @@
-"""``python -m raggedfsdp.plan``: see :mod:`raggedfsdp.plan.cli`."""
+"""``python -m raggedfsdp.plan``: the capacity planner (:mod:`raggedfsdp.capacity.cli`)."""
 
-from raggedfsdp.plan.cli import main
+from raggedfsdp.capacity.cli import main
 
 raise SystemExit(main())

@@ -1,6 +1,8 @@
-"""Sharding core: the ``RaggedShard`` spec, the structure-aware planner and flat buffers.
+"""Sharding core: the ``RaggedShard`` spec, unit and owner rules, the structure-aware planner
+and flat buffers.
 
-``RaggedShard`` and the planner are pure Python (no torch.distributed) so they can be tested and
+``RaggedShard``, the unit rules (``units``), the owner rules (``owners``) and the planner are pure
+Python (no torch) so the runtime and the capacity planner share them and they can be tested and
 simulated at 100,000 ranks; ``FlatBuffer`` and ``RaggedTensor`` need torch (but no process
 group) and are imported lazily, so planning tools start without torch.
 """
@@ -8,6 +10,8 @@ group) and are imported lazily, so planning tools start without torch.
 from importlib import import_module
 from typing import Any
 
+from raggedfsdp.sharding.blocks import QuantBlocks, ShampooBlocks
+from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
 from raggedfsdp.sharding.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     Layout,
@@ -16,8 +20,25 @@ from raggedfsdp.sharding.planner import (
     plan_layout,
     plan_layout_exact,
 )
-from raggedfsdp.sharding.policy import ShardPolicy, combine, element_units, row_units, slice_units
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard, flat_range_to_boxes, row_numel
+from raggedfsdp.sharding.units import (
+    DEFAULT_POLICY,
+    GroupShardPolicy,
+    MuonShardPolicy,
+    ShardPolicy,
+    TensorMeta,
+    adamw8bit_policy,
+    combine,
+    element_units,
+    is_muon_matrix,
+    matrix_unit,
+    quantized_unit,
+    resolve_units,
+    row_units,
+    shampoo_policy,
+    shampoo_slab_rows,
+    slice_units,
+)
 
 _LAZY = {
     "FlatBuffer": "raggedfsdp.sharding.flat_buffer",
@@ -26,21 +47,37 @@ _LAZY = {
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
+    "DEFAULT_POLICY",
     "Box",
     "FlatBuffer",
+    "GroupShardPolicy",
+    "Job",
     "Layout",
+    "MuonShardPolicy",
+    "QuantBlocks",
     "RaggedShard",
     "RaggedTensor",
+    "ShampooBlocks",
     "ShardPolicy",
+    "TensorMeta",
     "TensorSpec",
+    "adamw8bit_policy",
+    "assign_owners",
     "combine",
     "dtype_itemsize",
     "element_units",
     "flat_range_to_boxes",
+    "is_muon_matrix",
+    "matrix_unit",
+    "ns_flops",
     "plan_layout",
     "plan_layout_exact",
+    "quantized_unit",
+    "resolve_units",
     "row_numel",
     "row_units",
+    "shampoo_policy",
+    "shampoo_slab_rows",
     "slice_units",
 ]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 
 __all__ = ["Box", "RaggedShard", "flat_range_to_boxes", "row_numel"]
@@ -199,25 +200,32 @@ class RaggedShard:
     def world_size(self) -> int:
         return len(self.units_per_rank)
 
-    @property
+    @cached_property
     def unit_offsets(self) -> tuple[int, ...]:
-        """First unit index of each rank (length W + 1, the last entry is ``num_units``)."""
+        """First unit index of each rank (length W + 1, the last entry is ``num_units``);
+        computed once, so per-rank queries are O(1)."""
         return (0, *accumulate(self.units_per_rank))
+
+    @cached_property
+    def bounds(self) -> tuple[int, ...]:
+        """First element of each rank's piece in the flat storage, plus the end (W + 1
+        entries): rank r holds ``[bounds[r], bounds[r + 1])``."""
+        return tuple(min(u * self.unit, self.numel) for u in self.unit_offsets)
 
     def unit_range(self, rank: int) -> range:
         """Global unit indices held by ``rank`` (empty when the rank holds none)."""
-        offsets = self.unit_offsets
         self._check_rank(rank)
-        return range(offsets[rank], offsets[rank + 1])
+        return range(self.unit_offsets[rank], self.unit_offsets[rank + 1])
 
     def offset(self, rank: int) -> int:
         """Element offset of ``rank``'s piece in the tensor's flat storage."""
-        return min(self.unit_range(rank).start * self.unit, self.numel)
+        self._check_rank(rank)
+        return self.bounds[rank]
 
     def length(self, rank: int) -> int:
         """Number of elements ``rank`` holds (its last unit may be the short one)."""
-        units = self.unit_range(rank)
-        return min(units.stop * self.unit, self.numel) - min(units.start * self.unit, self.numel)
+        self._check_rank(rank)
+        return self.bounds[rank + 1] - self.bounds[rank]
 
     def local_range(self, rank: int) -> tuple[int, int]:
         """``(start, stop)`` of ``rank``'s piece in the flat storage."""

@@ -84,11 +84,19 @@ class RaggedTensor(torch.Tensor):
             )
         return _assemble(local, spec, rank, _GroupRef(group), requires_grad)
 
+    # ----------------------------------------------------------------------------- accessors
     @property
-    def _group(self) -> dist.ProcessGroup | None:
+    def rank(self) -> int:
+        """This process's rank in ``group`` (the index of its piece in ``ragged_shard``)."""
+        return self._rank
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group the tensor is split over (``None``: the default group, or a single
+        process). Read-only: pieces of one tensor are only meaningful over the ranks that hold
+        them."""
         return self._group_ref.group
 
-    # ----------------------------------------------------------------------------- accessors
     @property
     def local(self) -> torch.Tensor:
         """This rank's elements (1-D; a view of the group's flat buffer for FSDP parameters)."""
@@ -116,7 +124,7 @@ class RaggedTensor(torch.Tensor):
         padded = self._local.new_zeros(longest)
         padded[: self._local.numel()] = self._local.detach()
         gathered = self._local.new_empty(world * longest)
-        dist.all_gather_single(gathered, padded, group=self._group)
+        dist.all_gather_single(gathered, padded, group=self.group)
         pieces = [gathered[r * longest : r * longest + spec.length(r)] for r in range(world)]
         return torch.cat(pieces).view(spec.shape)
 
@@ -380,7 +388,7 @@ def _named_arguments(func, args: tuple, kwargs: dict) -> dict[str, Any]:
 def _combined(value: torch.Tensor, like: RaggedTensor, op: dist.ReduceOp) -> torch.Tensor:
     """``value`` all-reduced over ``like``'s process group (as is for a single rank)."""
     if like._spec.world_size > 1:
-        dist.all_reduce(value, op=op, group=like._group)
+        dist.all_reduce(value, op=op, group=like.group)
     return value
 
 
@@ -414,7 +422,7 @@ def _norms(func, args, kwargs):
     by_group: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, RaggedTensor) and t._spec.world_size > 1:
-            by_group.setdefault(t._group, []).append(i)
+            by_group.setdefault(t.group, []).append(i)
     for group, members in by_group.items():
         stacked = torch.stack([parts[i] for i in members])
         dist.all_reduce(stacked, op=reduce_op, group=group)
@@ -483,7 +491,7 @@ def _amp_unscale(func, args, kwargs):
         named["inv_scale"],
     )
     groups = {
-        g._group: None for g in grads if isinstance(g, RaggedTensor) and g._spec.world_size > 1
+        g.group: None for g in grads if isinstance(g, RaggedTensor) and g._spec.world_size > 1
     }
     for group in groups:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)

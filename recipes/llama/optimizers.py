@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raggedfsdp.optim import split_muon_params
 from raggedfsdp.sharding import ShardPolicy
 from recipes.llama.config import Config, ConfigError
 
@@ -101,10 +102,14 @@ def shard_policy(cls: type[torch.optim.Optimizer]) -> ShardPolicy | None:
 
 def param_groups(model: nn.Module, cfg: Config, split_matrices: bool) -> list[dict[str, Any]]:
     """Weight decay on matrices (embeddings included, as nanoGPT), none on norm weights; with
-    ``split_matrices`` the blocks' matrices form a group of their own (see ``Choice``)."""
+    ``split_matrices`` the Muon matrices (``split_muon_params``' rule: hidden 2-D matrices and
+    stacked experts, not embeddings or the head) form a group of their own (see ``Choice``)."""
+    muon = set()
+    if split_matrices:
+        muon = {id(p) for g in split_muon_params(model) if g["use_muon"] for _, p in g["params"]}
     matrices, decay, no_decay = [], [], []
-    for name, param in model.named_parameters():
-        if split_matrices and param.ndim == 2 and name.startswith("layers."):
+    for param in model.parameters():
+        if id(param) in muon:
             matrices.append(param)
         else:
             (decay if param.ndim >= 2 else no_decay).append(param)

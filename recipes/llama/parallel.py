@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import raggedfsdp
+from raggedfsdp.comm.launch import pin_gloo_to_loopback
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
@@ -61,10 +61,7 @@ def _pin_gloo_to_loopback() -> None:
     """A rendezvous on 127.0.0.1 means one machine: keep gloo's sockets on loopback too
     (otherwise gloo binds the address the hostname resolves to)."""
     if os.environ.get("MASTER_ADDR", "127.0.0.1") in LOOPBACK:
-        names = {name for _, name in socket.if_nameindex()}
-        loopback = next((n for n in ("lo", "lo0") if n in names), None)
-        if loopback is not None:
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)
+        pin_gloo_to_loopback()
 
 
 def _mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:

@@ -1,0 +1,192 @@
+"""Command line: ``python -m raggedfsdp.plan MODEL ...`` and the ``raggedfsdp plan`` script.
+
+Errors in the input (unknown preset, malformed config or shapes file, impossible mesh, bad unit)
+are reported as one line naming the input and the fix, with exit status 2, like argparse's own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from raggedfsdp.capacity.hf_config import EXPERT_LAYOUTS
+from raggedfsdp.capacity.loader import load_model, preset_names
+from raggedfsdp.capacity.memory import estimate
+from raggedfsdp.capacity.model_shapes import PlanError
+from raggedfsdp.capacity.policies import OPTIMIZERS, UNIT_KINDS, OptimizerSpec, UnitPolicy
+from raggedfsdp.capacity.report import render
+from raggedfsdp.capacity.settings import BACKENDS, Mesh, Precision, Settings
+
+__all__ = ["build_parser", "console_main", "main"]
+
+EXAMPLES = """examples:
+  python -m raggedfsdp.plan llama3-70b --world-size 1024
+  python -m raggedfsdp.plan deepseek-v3 --mesh 8x256 --unit-rows 128 --optimizer adamw8bit
+  python -m raggedfsdp.plan path/to/config.json -w 64 --experts fused --optimizer muon --json
+  python -m raggedfsdp.plan shapes.json --model my-model -w 8 --gpu-memory 80
+"""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _tile(text: str) -> tuple[int, int]:
+    parts = text.lower().replace("×", "x").split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWSxCOLS, e.g. 32x32")
+    return int(parts[0]), int(parts[1])
+
+
+_WHOLE = {"auto": "auto", "always": True, "never": False}
+
+
+def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Capacity planner: per-rank memory, padding, traffic and Muon balance of "
+        "a model under raggedfsdp's structure-aware sharding, before you rent the GPUs.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "model",
+        help=f"a preset ({', '.join(preset_names())}), a Hugging Face config.json or a shapes "
+        "file in raggedfsdp/data/model_shapes.json's format",
+    )
+    parser.add_argument("--model", dest="model_name", help="model to take from a shapes file")
+    parser.add_argument(
+        "--experts",
+        choices=EXPERT_LAYOUTS,
+        help="MoE tensors of a HF config: one per expert (default) or fused (E, m, n) stacks",
+    )
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("-w", "--world-size", type=_positive_int, help="FSDP ranks")
+    where.add_argument("--mesh", help="HSDP mesh REPLICATExSHARD, e.g. 4x256")
+    parser.add_argument(
+        "--unit",
+        choices=UNIT_KINDS,
+        help="unit policy (default: elements, fully_shard's default; rows with --unit-rows)",
+    )
+    parser.add_argument(
+        "--unit-rows", type=_positive_int, help="rows per unit for 'rows' and 'expert' (default 1)"
+    )
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    parser.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=256,
+        help="adamw8bit quantization block (elements)",
+    )
+    parser.add_argument(
+        "--tile",
+        type=_tile,
+        metavar="RxC",
+        help="adamw8bit: quantize tensors of 2+ dims in RxC tiles (e.g. 32x32)",
+    )
+    parser.add_argument(
+        "--max-preconditioner-dim", type=_positive_int, default=1024, help="shampoo block size b"
+    )
+    parser.add_argument(
+        "--whole-matrices",
+        choices=tuple(_WHOLE),
+        default="auto",
+        help="muon: keep its matrices whole on one rank always, never, or where that adds no "
+        "padding (auto, Muon.shard_policy()'s default)",
+    )
+    parser.add_argument("--param-dtype", default="bf16", help="all-gather / compute dtype")
+    parser.add_argument("--master-dtype", default="fp32", help="sharded master weights")
+    parser.add_argument("--reduce-dtype", default="fp32", help="gradient reduce-scatter dtype")
+    parser.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="keep gathered parameters from forward to backward",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="nccl",
+        help="collective backend the runtime will use (memory differs a little)",
+    )
+    parser.add_argument(
+        "--gpu-memory",
+        type=_positive_float,
+        metavar="GIB",
+        help="say whether the estimate fits in this much memory per GPU",
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    unit = args.unit or ("rows" if args.unit_rows is not None else "elements")
+    if unit in ("elements", "matrix") and args.unit_rows is not None:
+        raise PlanError(f"--unit-rows applies to --unit rows or expert, not --unit {unit}")
+    mesh = Mesh.parse(args.mesh) if args.mesh is not None else Mesh(1, args.world_size)
+    return Settings(
+        mesh=mesh,
+        units=UnitPolicy(unit, args.unit_rows or 1),
+        optimizer=OptimizerSpec(
+            args.optimizer,
+            block_size=args.block_size,
+            tile=args.tile,
+            preconditioner_dim=args.max_preconditioner_dim,
+            whole_matrices=_WHOLE[args.whole_matrices],
+        ),
+        precision=Precision(args.param_dtype, args.master_dtype, args.reduce_dtype),
+        reshard_after_forward=not args.no_reshard_after_forward,
+        backend=args.backend,
+    )
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m raggedfsdp.plan") -> int:
+    """Run the planner; returns the exit status (0, or 2 for bad input)."""
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        settings = _settings(args)
+        model = load_model(args.model, model=args.model_name, experts=args.experts)
+        result = estimate(model, settings)
+    except PlanError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = result.to_dict()
+        if args.gpu_memory is not None:
+            limit = args.gpu_memory * 1024**3
+            out["fits"] = {"gpu_memory_bytes": limit, "fits": out["memory_bytes"]["total"] <= limit}
+        print(json.dumps(out))
+    else:
+        print(render(result, args.gpu_memory))
+    return 0
+
+
+def console_main(argv: Sequence[str] | None = None) -> int:
+    """The ``raggedfsdp`` console script: ``raggedfsdp plan ...`` (the one subcommand so far)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "plan":
+        print(
+            "usage: raggedfsdp plan MODEL (-w W | --mesh RxS) [options]\n"
+            "       raggedfsdp plan --help",
+            file=sys.stderr,
+        )
+        return 2
+    return main(argv[1:], prog="raggedfsdp plan")

@@ -1,0 +1,320 @@
+"""The per-rank estimate: plan every distinct group once, then add up memory, padding, traffic.
+
+Planning is per *distinct* group (the 32 identical blocks of Llama-3-8B are one plan counted 32
+times), and every per-rank quantity is O(tensors + W) numpy work per distinct group, so a whole
+model at W = 100,000 takes well under a second beyond the planner itself.
+
+Memory model (what ``raggedfsdp.fully_shard`` holds, per rank, in bytes):
+
+* persistent: the master segment (``S`` elements per group, ``--master-dtype``), its
+  ``--param-dtype`` copy that feeds the all-gather when the two dtypes differ, and the optimizer
+  state of the elements this rank holds (the one quantity that differs between ranks: padding is
+  not optimized, so the maximum over ranks is reported);
+* sharded gradients: ``S`` master-dtype elements per group, from the group's reduce-scatter until
+  ``zero_grad``;
+* transient, by phase: in forward, the full all-gather buffers (``W * S`` elements) of the current
+  group and the prefetched next one; in backward, the re-gathered current group and the prefetched
+  previous one, the current group's full gradient buffer (``--reduce-dtype``), the reduce-scatter
+  still in flight on NCCL (one group; gloo finishes each at once), the group's fresh
+  ``--param-dtype`` gradients, held until its last one arrives (the larger of "all held beside
+  the parameters" and "all held beside the gradient buffer, the parameters freed"), and the
+  sharded gradients of the groups already reduced. (On gloo the all-gather is an in-place OR
+  all-reduce, so no collective stages a copy of a full buffer there.) A root group (tied
+  embeddings) stays gathered throughout forward and backward and holds its fresh gradients
+  until its last one arrives.
+
+The total is the persistent part plus the largest phase. Activations and optimizer-step
+temporaries are not included (they depend on batch, sequence length, checkpointing, kernels).
+
+Traffic per rank per step is bytes each rank sends (and receives) with ring algorithms: an
+all-gather or reduce-scatter of a ``W * S`` buffer moves ``(W - 1) * S`` elements per rank; the
+HSDP replicate all-reduce moves ``2 (R - 1) / R * S``. ZeRO-3 gathers every non-root group twice
+(forward and backward) unless ``reshard_after_forward`` is off.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from raggedfsdp.capacity.model_shapes import Group, ModelShapes, PlanError
+from raggedfsdp.capacity.muon import MuonBalance, muon_balance
+from raggedfsdp.capacity.optimizer_state import counter_bytes, state_per_rank
+from raggedfsdp.capacity.policies import is_expert, shard_policy
+from raggedfsdp.capacity.settings import Settings
+from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
+from raggedfsdp.sharding.planner import Layout, TensorSpec, plan_layout
+from raggedfsdp.sharding.units import resolve_units
+
+__all__ = ["Estimate", "GroupPlan", "estimate", "per_rank"]
+
+#: Groups (repeats included) the phase model walks one by one.
+MAX_FSDP_GROUPS = 1_000_000
+
+
+@dataclass
+class GroupPlan:
+    """One distinct group's plan and what follows from it, for one instance of the group."""
+
+    group: Group
+    instances: int
+    layout: Layout
+    fsdp2_shard: int  # elements per rank under FSDP2's rule (padded dim-0 chunks)
+    fsdp2_cut: int  # tensors whose units FSDP2's even dim-0 split cuts
+    state: np.ndarray  # optimizer state bytes per rank
+    empty_ranks: int  # ranks holding no element of the group
+
+    @property
+    def segment(self) -> int:
+        return self.layout.segment_size
+
+    def to_dict(self) -> dict[str, Any]:
+        lay, numel = self.layout, self.layout.numel
+        return {
+            "name": self.group.name,
+            "instances": self.instances,
+            "tensors": len(lay.tensors),
+            "numel": numel,
+            "segment_elements": lay.segment_size,
+            "padding_pct": 100 * lay.padding / numel,
+            "lower_bound_pct": 100 * lay.lower_bound_padding / numel,
+            "fsdp2_padding_pct": 100 * (self.fsdp2_shard * lay.world_size - numel) / numel,
+            "fsdp2_cut_tensors": self.fsdp2_cut,
+            "empty_ranks": self.empty_ranks,
+            "plan_ms": 1e3 * lay.planning_time_s,
+            "notes": list(lay.notes),
+        }
+
+
+@dataclass
+class Estimate:
+    """The planner's answer for one model and one set of settings (see the module docstring)."""
+
+    model: ModelShapes
+    settings: Settings
+    plans: list[GroupPlan]
+    memory: dict[str, float]
+    peak_phase: str
+    padding: dict[str, float]
+    traffic: dict[str, float]
+    muon: MuonBalance | None
+    notes: list[str]
+    elapsed_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        s, mesh = self.settings, self.settings.mesh
+        return {
+            "model": {
+                "name": self.model.name,
+                "source": self.model.source,
+                "params": self.model.numel,
+                "distinct_groups": len(self.plans),
+                "fsdp_groups": self.model.num_fsdp_groups,
+            },
+            "mesh": {"replicate": mesh.replicate, "shard": mesh.shard, "world": mesh.world_size},
+            "unit": s.units.describe(),
+            "optimizer": s.optimizer.name,
+            "precision": {
+                "param": s.precision.param,
+                "master": s.precision.master,
+                "reduce": s.precision.reduce,
+            },
+            "reshard_after_forward": s.reshard_after_forward,
+            "backend": s.backend,
+            "memory_bytes": self.memory,
+            "memory_excludes": ["activations", "optimizer-step temporaries"],
+            "peak_phase": self.peak_phase,
+            "padding": self.padding,
+            "traffic_bytes": self.traffic,
+            "muon": None if self.muon is None else self.muon.to_dict(),
+            "groups": [p.to_dict() for p in self.plans],
+            "notes": self.notes,
+            "planning_time_s": sum(p.layout.planning_time_s for p in self.plans),
+            "elapsed_s": self.elapsed_s,
+        }
+
+
+def per_rank(layout: Layout, weights: Sequence[float]) -> np.ndarray:
+    """``sum_t weights[t] * (elements of tensor t on rank r)`` for every rank r, in O(T + W):
+    a tensor covers a partial first segment, whole middle ones (a range update) and a partial
+    last one."""
+    world, seg = layout.world_size, layout.segment_size
+    direct, ramp = np.zeros(world), np.zeros(world + 1)
+    for t, w in zip(layout.tensors, weights, strict=True):
+        if not w or not t.numel:
+            continue
+        a = layout.offsets[t.name]
+        b = a + t.numel
+        first, last = a // seg, (b - 1) // seg
+        if first == last:
+            direct[first] += w * t.numel
+            continue
+        direct[first] += w * ((first + 1) * seg - a)
+        direct[last] += w * (b - last * seg)
+        ramp[first + 1] += w * seg
+        ramp[last] -= w * seg
+    return direct + np.cumsum(ramp[:world])
+
+
+def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
+    """Plan one group as ``fully_shard`` would: units from the user's policy combined with the
+    optimizer's (``resolve_units``), then the optimizer's state on that layout."""
+    world, dtype = settings.mesh.shard, settings.precision.master
+    policy = shard_policy(settings.units, settings.optimizer)
+    units = resolve_units(policy, [(name, shape, dtype) for name, shape in group.tensors], world)
+    specs = [TensorSpec(name, shape, dtype, units[name]) for name, shape in group.tensors]
+    layout = plan_layout(specs, world, settings.alignment_bytes)
+    held = per_rank(layout, [1.0] * len(specs))
+    return GroupPlan(
+        group=group,
+        instances=instances,
+        layout=layout,
+        fsdp2_shard=sum(math.prod(s) + fsdp2_padding(s, world) for _, s in group.tensors) // world,
+        fsdp2_cut=sum(fsdp2_cuts_units(t.shape, world, t.unit) for t in specs),
+        state=state_per_rank(layout, group.tensors, settings.optimizer, dtype),
+        empty_ranks=int((held == 0).sum()),
+    )
+
+
+def estimate(model: ModelShapes, settings: Settings) -> Estimate:
+    """Plan ``model`` under ``settings`` and estimate per-rank memory, padding and traffic."""
+    t0 = time.perf_counter()
+    if model.num_fsdp_groups > MAX_FSDP_GROUPS:
+        raise PlanError(
+            f"model {model.name!r} has {model.num_fsdp_groups:,} FSDP groups with repeats; "
+            f"the planner walks at most {MAX_FSDP_GROUPS:,}: merge groups in the shapes file"
+        )
+    if settings.units.kind == "expert" and not any(
+        is_expert(n) for g in model.groups for n, _ in g.tensors
+    ):
+        raise PlanError(
+            f"--unit expert: model {model.name!r} has no expert tensors (names with "
+            "'experts.'); use --unit-rows K or --unit matrix"
+        )
+    instances: dict[tuple, int] = {}
+    for g in model.groups:
+        instances[g.tensors] = instances.get(g.tensors, 0) + g.repeat
+    firsts = {g.tensors: g for g in reversed(model.groups)}
+    plans = {key: _plan_group(firsts[key], n, settings) for key, n in instances.items()}
+    sequence = [(plans[g.tensors], g.root) for g in model.groups for _ in range(g.repeat)]
+    counters = counter_bytes(settings.optimizer, [t for g in model.groups for t in g.tensors])
+    memory, phase = _memory(plans.values(), sequence, settings, counters)
+    muon = None
+    if settings.optimizer.name == "muon":
+        muon = muon_balance(sequence, settings.mesh.shard, settings.optimizer.ns_steps)
+    return Estimate(
+        model=model,
+        settings=settings,
+        plans=list(plans.values()),
+        memory=memory,
+        peak_phase=phase,
+        padding=_padding(plans.values(), model.numel),
+        traffic=_traffic(sequence, settings),
+        muon=muon,
+        notes=_notes(plans.values(), settings),
+        elapsed_s=time.perf_counter() - t0,
+    )
+
+
+def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[str, float], str]:
+    prec, world = settings.precision, settings.mesh.shard
+    mb, pb, rb = prec.bytes("master"), prec.bytes("param"), prec.bytes("reduce")
+    segments = sum(p.instances * p.segment for p in plans)
+    state = sum(p.instances * p.state for p in plans) + counters
+    cast = pb if prec.param != prec.master else 0
+    persistent = segments * (mb + cast) + float(state.max())
+
+    window = [p for p, root in sequence if not root]
+    roots = [p for p, root in sequence if root]
+    full = [world * p.segment * pb for p in window]
+    grad_full = [world * p.segment * rb for p in window]
+    held = [p.layout.numel * pb for p in window]  # a group's fresh gradients, before the copy
+    sharded = [p.segment * mb for p in window]
+    root_full = sum(world * p.segment * pb for p in roots)
+    root_held = sum(p.layout.numel * pb for p in roots)  # their gradients wait for the last one
+    later = np.concatenate([np.cumsum(sharded[::-1])[::-1][1:], [0.0]]) if window else []
+    gathered_upto = np.cumsum(full) if window else []
+    names = [p.group.name for p in window]
+
+    nccl = settings.backend == "nccl"
+    phases: list[tuple[float, float, str]] = []  # (unsharded bytes, sharded grads, label)
+    n = len(window)
+    for i in range(n):
+        ahead = full[i + 1] if i + 1 < n else 0.0
+        fwd = full[i] + ahead if settings.reshard_after_forward else gathered_upto[i] + ahead
+        phases.append((root_full + fwd, 0.0, f"forward of {names[i]}"))
+        behind = full[i - 1] if i > 0 else 0.0
+        params = full[i] + behind if settings.reshard_after_forward else gathered_upto[i]
+        in_flight = grad_full[i + 1] if nccl and i + 1 < n else 0.0
+        flush = behind + held[i] + grad_full[i] + in_flight
+        unsharded = root_full + root_held + max(params + held[i], flush)
+        phases.append((unsharded, later[i], f"backward of {names[i]}"))
+    if roots:
+        root_grads = sum(world * p.segment * rb for p in roots)
+        phases.append((root_full + root_held + root_grads, sum(sharded), "backward of the root"))
+    all_grads = segments * mb
+    phases.append((0.0, all_grads, "optimizer step"))
+    unsharded, grads_then, label = max(phases, key=lambda ph: ph[0] + ph[1])
+    memory = {
+        "params": segments * mb,
+        "param_cast": segments * cast,
+        "grads": all_grads,
+        "optimizer": float(state.max()),
+        "optimizer_mean": float(state.mean()),
+        "peak_unsharded": max(ph[0] for ph in phases),
+        "total": persistent + unsharded + grads_then,
+    }
+    memory = {k: float(v) for k, v in memory.items()}  # plain floats for JSON
+    return memory, label
+
+
+def _padding(plans, numel: int) -> dict[str, float]:
+    pad = sum(p.instances * p.layout.padding for p in plans)
+    bound = sum(p.instances * p.layout.lower_bound_padding for p in plans)
+    fsdp2 = sum(p.instances * (p.fsdp2_shard * p.layout.world_size - p.layout.numel) for p in plans)
+    return {
+        "elements": pad,
+        "pct": 100 * pad / numel,
+        "lower_bound_elements": bound,
+        "lower_bound_pct": 100 * bound / numel,
+        "fsdp2_elements": fsdp2,
+        "fsdp2_pct": 100 * fsdp2 / numel,
+        "fsdp2_cut_tensors": sum(p.instances * p.fsdp2_cut for p in plans),
+        "tensors": sum(p.instances * len(p.layout.tensors) for p in plans),
+    }
+
+
+def _traffic(sequence, settings: Settings) -> dict[str, float]:
+    prec, world, rep = settings.precision, settings.mesh.shard, settings.mesh.replicate
+    pb, rb = prec.bytes("param"), prec.bytes("reduce")
+    ours = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
+    fsdp2 = dict.fromkeys(ours, 0.0)
+    for plan, root in sequence:
+        gathers = 1 if root or not settings.reshard_after_forward else 2
+        for out, seg in ((ours, plan.segment), (fsdp2, plan.fsdp2_shard)):
+            out["all_gather"] += gathers * (world - 1) * seg * pb
+            out["reduce_scatter"] += (world - 1) * seg * rb
+            out["all_reduce"] += 2 * (rep - 1) / rep * seg * rb
+    return {**ours, **{f"fsdp2_{k}": v for k, v in fsdp2.items()}}
+
+
+def _notes(plans, settings: Settings) -> list[str]:
+    notes = []
+    for p in plans:
+        notes += [f"{p.group.name}: {note}" for note in p.layout.notes]
+        if p.empty_ranks:
+            notes.append(
+                f"{p.group.name}: {p.empty_ranks:,} of {p.layout.world_size:,} ranks hold none "
+                "of its elements; smaller units or a smaller shard group (HSDP) spread it"
+            )
+    if settings.optimizer.name in ("adamw8bit", "shampoo"):
+        notes.append(
+            f"units include {settings.optimizer.name}'s blocks (LCM with the unit policy), so "
+            "its state math needs no communication"
+        )
+    return notes

@@ -1,0 +1,157 @@
+"""The human-readable report of an :class:`~raggedfsdp.capacity.memory.Estimate`."""
+
+from __future__ import annotations
+
+from raggedfsdp.capacity.memory import Estimate
+from raggedfsdp.capacity.muon import MuonBalance
+
+__all__ = ["format_bytes", "render"]
+
+GIB = 1024**3
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = [f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths)]
+    return [
+        "  " + "  ".join(f.format(c) for f, c in zip(fmt, row, strict=True))
+        for row in [header, *rows]
+    ]
+
+
+def render(est: Estimate, gpu_memory_gib: float | None = None) -> str:
+    """The report: settings, per-rank memory, padding, traffic, Muon balance, groups, notes."""
+    lines = [*_settings(est), "", *_memory(est, gpu_memory_gib), "", *_padding(est)]
+    lines += ["", *_traffic(est)]
+    if est.muon is not None:
+        lines += ["", _muon(est.muon)]
+    lines += ["", *_groups(est), "", "Notes"] + [f"  - {note}" for note in est.notes]
+    lines.append(f"\nplanned in {est.elapsed_s:.2f} s")
+    return "\n".join(lines)
+
+
+def _settings(est: Estimate) -> list[str]:
+    s, m = est.settings, est.model
+    prec, mesh = s.precision, s.mesh
+    zero = "ZeRO-3 (reshard after forward)" if s.reshard_after_forward else "no reshard after fwd"
+    return [
+        f"{m.name}: {_count(m.numel)} parameters in {m.num_fsdp_groups:,} FSDP groups "
+        f"({len(est.plans)} distinct); {m.source}",
+        f"mesh {mesh.replicate} x {mesh.shard} (replicate x shard) = {mesh.world_size:,} ranks | "
+        f"unit: {s.units.describe()} | {s.optimizer.describe()}",
+        f"param {prec.param}, master {prec.master}, reduce {prec.reduce} | {zero} | "
+        f"backend {s.backend}",
+    ]
+
+
+def _memory(est: Estimate, gpu_memory_gib: float | None) -> list[str]:
+    mem, prec = est.memory, est.settings.precision
+    rows = [
+        [f"sharded parameters ({prec.master})", format_bytes(mem["params"])],
+        [f"all-gather input copies ({prec.param})", format_bytes(mem["param_cast"])],
+        [f"sharded gradients ({prec.master})", format_bytes(mem["grads"])],
+        [
+            f"optimizer state (max rank; mean {format_bytes(mem['optimizer_mean'])})",
+            format_bytes(mem["optimizer"]),
+        ],
+        [
+            "peak unsharded buffers (2 groups + gradient buffers)",
+            format_bytes(mem["peak_unsharded"]),
+        ],
+        [f"total at peak ({est.peak_phase})", format_bytes(mem["total"])],
+    ]
+    lines = ["Per-rank memory", *_table(["", "bytes"], rows)[1:]]
+    lines.append("  (activations and optimizer-step temporaries are not included)")
+    if gpu_memory_gib is not None:
+        left = gpu_memory_gib * GIB - mem["total"]
+        verdict = (
+            f"yes, {format_bytes(left)} left"
+            if left >= 0
+            else f"NO, short by {format_bytes(-left)}"
+        )
+        lines.append(f"  fits in {gpu_memory_gib:g} GiB: {verdict}")
+    return lines
+
+
+def _padding(est: Estimate) -> list[str]:
+    p = est.padding
+    rows = [
+        ["padding %", f"{p['pct']:.3f}", f"{p['lower_bound_pct']:.3f}", f"{p['fsdp2_pct']:.3f}"],
+        ["tensors with a cut unit", "0", "-", f"{p['fsdp2_cut_tensors']:,} of {p['tensors']:,}"],
+    ]
+    header = ["", "raggedfsdp", "lower bound", "FSDP2"]
+    return ["Padding (% of parameters) and cut units", *_table(header, rows)]
+
+
+def _traffic(est: Estimate) -> list[str]:
+    t = est.traffic
+    gathers = "forward + backward" if est.settings.reshard_after_forward else "forward"
+    rows = [
+        [f"all-gather ({gathers})", t["all_gather"], t["fsdp2_all_gather"]],
+        ["reduce-scatter", t["reduce_scatter"], t["fsdp2_reduce_scatter"]],
+        ["all-reduce (replicate dim)", t["all_reduce"], t["fsdp2_all_reduce"]],
+    ]
+    cells = [[label, format_bytes(ours), format_bytes(fsdp2)] for label, ours, fsdp2 in rows]
+    return [
+        "Traffic per rank per step (bytes sent; as many received)",
+        *_table(["", "raggedfsdp", "FSDP2"], cells),
+    ]
+
+
+def _muon(mu: MuonBalance) -> str:
+    return (
+        f"Muon owners: {mu.matrices:,} matrices; Newton–Schulz load max/mean "
+        f"{mu.max_over_mean:.3f} (best possible {mu.bound_over_mean:.3f}); "
+        f"{mu.local_matrices:,} computed where they lie, no communication; pieces sent to "
+        f"owners and back per rank max {format_bytes(mu.moved_bytes_max)}, mean "
+        f"{format_bytes(mu.moved_bytes_mean)} (bf16)"
+    )
+
+
+def _groups(est: Estimate) -> list[str]:
+    header = [
+        "group",
+        "x",
+        "tensors",
+        "params",
+        "S",
+        "pad %",
+        "bound %",
+        "FSDP2 %",
+        "FSDP2 cuts",
+        "empty ranks",
+        "plan ms",
+    ]
+    rows = []
+    for g in est.plans:
+        d = g.to_dict()
+        rows.append(
+            [
+                g.group.name,
+                str(g.instances),
+                str(len(g.layout.tensors)),
+                _count(g.layout.numel),
+                _count(g.segment),
+                f"{d['padding_pct']:.3f}",
+                f"{d['lower_bound_pct']:.3f}",
+                f"{d['fsdp2_padding_pct']:.3f}",
+                str(g.fsdp2_cut),
+                f"{g.empty_ranks:,}",
+                f"{d['plan_ms']:.1f}",
+            ]
+        )
+    return ["Groups (S = elements per rank)", *_table(header, rows)]

@@ -1,0 +1,104 @@
+"""What besides the model the estimate depends on: the mesh, dtypes, units, optimizer, backend.
+
+Each value is checked when it is built, so a bad ``--mesh`` or dtype fails with a message naming
+the option before any planning starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from raggedfsdp.capacity.model_shapes import PlanError
+from raggedfsdp.capacity.policies import OptimizerSpec, UnitPolicy
+from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, dtype_itemsize
+
+__all__ = ["BACKENDS", "MAX_SHARD_SIZE", "Mesh", "Precision", "Settings"]
+
+#: Per-rank arrays are W floats per distinct group; far beyond any real cluster, refuse.
+MAX_SHARD_SIZE = 10_000_000
+BACKENDS = ("nccl", "gloo")
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """``replicate x shard`` ranks (HSDP); plain FSDP is ``replicate == 1``."""
+
+    replicate: int
+    shard: int
+
+    def __post_init__(self) -> None:
+        for dim, size in (("replicate", self.replicate), ("shard", self.shard)):
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise PlanError(f"mesh {dim} size {size!r}: must be a positive integer")
+        if self.shard > MAX_SHARD_SIZE:
+            raise PlanError(
+                f"shard size {self.shard:,} is above the planner's limit of {MAX_SHARD_SIZE:,} "
+                "ranks; use a 2-D mesh (--mesh REPLICATExSHARD) with a smaller shard dimension"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """``"256"`` (FSDP) or ``"4x256"`` (HSDP: 4 replicas of 256-rank shard groups)."""
+        parts = re.split(r"\s*[x×,*]\s*", text.strip().lower())
+        if not 1 <= len(parts) <= 2 or not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
+            raise PlanError(
+                f"--mesh {text!r}: expected SHARD or REPLICATExSHARD with positive integers, "
+                "e.g. --mesh 4x256 (4 replicas of 256-rank shard groups)"
+            )
+        sizes = [int(p) for p in parts]
+        if any(s < 1 for s in sizes):
+            raise PlanError(f"--mesh {text!r}: every dimension must be >= 1, got {sizes}")
+        return cls(*sizes) if len(sizes) == 2 else cls(1, sizes[0])
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Dtype names of the all-gather/compute copy, the master weights and the gradient
+    reduction (``fp32``/``bf16``/``fp16``/``fp8`` or torch names such as ``bfloat16``)."""
+
+    param: str = "bfloat16"
+    master: str = "float32"
+    reduce: str = "float32"
+
+    def __post_init__(self) -> None:
+        for role in ("param", "master", "reduce"):
+            name = _DTYPES.get(getattr(self, role), getattr(self, role))
+            try:
+                dtype_itemsize(name)
+            except ValueError:
+                raise PlanError(
+                    f"--{role}-dtype {getattr(self, role)!r}: unknown; use one of "
+                    f"{sorted(_DTYPES)} or a torch dtype name such as bfloat16"
+                ) from None
+            object.__setattr__(self, role, name)
+
+    def bytes(self, role: str) -> int:
+        return dtype_itemsize(getattr(self, role))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides the model that the estimate depends on.
+
+    ``backend``: ``"nccl"`` (``fully_shard`` leaves one reduce-scatter running while the next
+    group's backward computes) or ``"gloo"`` (each reduce-scatter is finished at once); on both
+    all-gathers land in place.
+    """
+
+    mesh: Mesh
+    units: UnitPolicy = field(default_factory=UnitPolicy)
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    precision: Precision = field(default_factory=Precision)
+    reshard_after_forward: bool = True
+    backend: str = "nccl"
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise PlanError(f"backend {self.backend!r}: choose one of {list(BACKENDS)}")

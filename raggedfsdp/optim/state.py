@@ -1,0 +1,239 @@
+"""Optimizer state of a sharded optimizer: allocation, accounting and checkpoints.
+
+The step runtime (:mod:`raggedfsdp.optim.base`) only reads state; everything that creates,
+measures, saves or replaces it lives here, as the mixin ``ShardedState`` that
+``ShardedOptimizer`` inherits. It fulfils the state half of the contract in
+:mod:`raggedfsdp.optim.contract`: each parameter gets exactly the tensors its optimizer declares
+with ``_state_specs``, zero at first, and parameters that step together share one step counter.
+
+In the sharded modes state is allocated eagerly, packed per group in the order of the parameters'
+memory, so that neighbouring parameters' state is neighbouring too and element-wise updates run
+on whole runs (see ``pieces.merge_runs``). Every sharded state tensor is a ``RaggedTensor`` with
+the parameter's global shape (or, for per-block state, the block grid's), so ``state_dict()`` can
+be saved with ``torch.distributed.checkpoint`` and loaded at any other world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from raggedfsdp.optim.contract import Mode, OptimizerHooks, Piece, StateBytes, StateSpec
+from raggedfsdp.optim.pieces import storage_bytes, unwrap
+from raggedfsdp.sharding import RaggedTensor
+
+__all__ = ["ShardedState"]
+
+
+class ShardedState(OptimizerHooks):
+    """The state methods of ``ShardedOptimizer`` (mixed in before ``torch.optim.Optimizer``,
+    whose ``state``, ``param_groups`` and ``state_dict`` it builds on)."""
+
+    state: Any
+    param_groups: list[dict[str, Any]]
+    _pieces: dict[Tensor, Piece]
+
+    def _allocate(self, pieces: Sequence[Piece]) -> None:
+        """Create zero state for ``pieces`` (one group): per-parameter tensors in single mode,
+        packed flat buffers in address order in the sharded modes. Pieces allocated together
+        share a step counter per device."""
+        if not pieces:
+            return
+        group = self.param_groups[pieces[0].group_index]
+        specs = {pc: self._state_specs(pc, group) for pc in pieces}
+        packed = _packed_state([pc for pc in pieces if pc.sharded], specs)
+        steps: dict[torch.device, Tensor] = {}
+        for pc in pieces:
+            device = pc.param.device
+            if device not in steps:
+                steps[device] = self._new_step(group, device)
+            state: dict[str, Tensor] = {"step": steps[device]}
+            for key, spec in specs[pc].items():
+                if pc.sharded:
+                    state[key] = packed[pc][key]
+                elif spec.shape is None and spec.dtype == pc.param.dtype:
+                    state[key] = torch.zeros_like(pc.param, memory_format=torch.preserve_format)
+                else:
+                    shape = spec.shape if spec.shape is not None else pc.param.shape
+                    state[key] = torch.zeros(shape, dtype=spec.dtype, device=device)
+            self.state[pc.param] = state
+
+    def init_state(self) -> None:
+        """Create the (zero) state of every parameter that has none yet.
+
+        The sharded modes do this at construction; in single mode state appears at the first
+        step, as in torch. Call it before loading a checkpoint into a fresh optimizer with
+        ``torch.distributed.checkpoint.load``, which loads into existing tensors.
+        """
+        for group in self.param_groups:
+            self._allocate([self._pieces[p] for p in group["params"] if p not in self.state])
+
+    def state_bytes(self, mode: Mode | None = None) -> StateBytes:
+        """Optimizer-state memory on this rank, over all parameters or those of one mode."""
+        pieces = [pc for pc in self._pieces.values() if mode in (None, pc.mode)]
+        tensors = [t for pc in pieces for t in self.state.get(pc.param, {}).values()]
+        return StateBytes(
+            storage_bytes(tensors),
+            sum(pc.numel for pc in pieces),
+            sum(pc.param.numel() for pc in pieces),
+        )
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format (``state`` by parameter index, ``param_groups``); values are the live
+        state tensors (``RaggedTensor`` in sharded modes, for DCP), except ``step`` which is a
+        copy per parameter since counters are shared internally."""
+        sd = super().state_dict()  # type: ignore[misc]  # torch.optim.Optimizer's
+        sd["state"] = {
+            k: {key: (v.clone() if key == "step" else v) for key, v in s.items()}
+            for k, s in sd["state"].items()
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from ``state_dict()`` (the same world size and layout), from torch's
+        optimizer of the same kind, or one whose tensors are full (unsharded): each rank keeps
+        its piece. Checkpoints at another world size go through DCP (see ``init_state``).
+
+        Values are copied into this optimizer's tensors, which stay where they are, so DCP's
+        in-place loading and this call compose.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        groups, saved_groups = self.param_groups, deepcopy(state_dict["param_groups"])
+        self._check_loadable(saved_groups)
+        index = {
+            old: p
+            for g, sg in zip(groups, saved_groups, strict=True)
+            for old, p in zip(sg["params"], g["params"], strict=True)
+        }
+        saved_state = state_dict["state"]
+        values: dict[Tensor, float] = {}
+        for old, p in index.items():
+            saved = saved_state.get(old)
+            if saved is None:
+                self._reset_state(p)
+                continue
+            if p not in self.state:
+                self._allocate([self._pieces[p]])
+            self._copy_state(self._pieces[p], saved)
+            values[p] = float(saved["step"])
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
+            sg["params"] = g["params"]
+            if "param_names" in g:
+                sg["param_names"] = g["param_names"]
+            self.param_groups[gi] = sg
+            self._share_steps(sg, [p for p in g["params"] if p in values], values)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _check_loadable(self, saved_groups: Sequence[dict[str, Any]]) -> None:
+        """Refuse saved groups that do not match this optimizer's, before anything changes."""
+        groups = self.param_groups
+        if len(groups) != len(saved_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
+                f"{len(groups)}"
+            )
+        for gi, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
+            if len(g["params"]) != len(sg["params"]):
+                raise ValueError(
+                    f"parameter group {gi} has {len(g['params'])} parameters but the loaded "
+                    f"state dict's has {len(sg['params'])}"
+                )
+            for key in self._state_keys_depend_on:
+                if key in sg and sg[key] != g[key]:
+                    raise ValueError(
+                        f"parameter group {gi} was saved with {key}={sg[key]!r} but this optimizer "
+                        f"has {key}={g[key]!r}; build it with the same setting to load its state"
+                    )
+
+    def _reset_state(self, p: Tensor) -> None:
+        """No saved state for ``p``: as if it had never stepped."""
+        piece = self._pieces[p]
+        if not piece.sharded:
+            self.state.pop(p, None)
+            return
+        state = self.state[p]
+        for key, t in state.items():
+            if key != "step":
+                unwrap(t).zero_()
+        state["step"] = self._new_step(self.param_groups[piece.group_index], p.device)
+
+    def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
+        state = self.state[piece.param]
+        if set(saved) != set(state):
+            raise ValueError(
+                f"parameter {piece.name!r}: the loaded state has keys {sorted(saved)} but "
+                f"{type(self).__name__} keeps {sorted(state)} for it (a checkpoint of another "
+                "optimizer, or other settings such as amsgrad / block size?)"
+            )
+        for key, dst in state.items():
+            if key != "step":
+                _copy_into(f"{piece.name!r} state {key!r}", dst, saved[key])
+
+    def _share_steps(
+        self, group: dict[str, Any], params: Sequence[Tensor], values: dict[Tensor, float]
+    ) -> None:
+        """Give parameters with equal loaded step counts one shared counter again."""
+        shared: dict[tuple[float, torch.device], Tensor] = {}
+        for p in params:
+            key = (values[p], p.device)
+            if key not in shared:
+                shared[key] = self._new_step(group, p.device).fill_(values[p])
+            self.state[p]["step"] = shared[key]
+
+
+def _packed_state(
+    pieces: Sequence[Piece], specs: dict[Piece, dict[str, StateSpec]]
+) -> dict[Piece, dict[str, Tensor]]:
+    """Zero state of sharded ``pieces`` as views of one flat buffer per (key, dtype, device),
+    each filled in the order of the parameters' memory."""
+    order = sorted(pieces, key=lambda pc: (str(pc.param.device), unwrap(pc.local()).data_ptr()))
+    packed: dict[Piece, dict[str, Tensor]] = {pc: {} for pc in order}
+    by_kind: dict[tuple[str, torch.dtype, torch.device], list[Piece]] = {}
+    for pc in order:
+        for key, spec in specs[pc].items():
+            by_kind.setdefault((key, spec.dtype, pc.param.device), []).append(pc)
+    for (key, dtype, device), members in by_kind.items():
+        total = sum(specs[pc][key].numel for pc in members)
+        buf = torch.zeros(total, dtype=dtype, device=device)
+        offset = 0
+        for pc in members:
+            n = specs[pc][key].numel
+            packed[pc][key] = pc.wrap(buf[offset : offset + n], specs[pc][key].shard)
+            offset += n
+    return packed
+
+
+def _copy_into(what: str, dst: Tensor, src: Any) -> None:
+    """Copy a loaded value into a state tensor: same split, or a full tensor to slice."""
+    if not isinstance(src, Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(src).__name__}")
+    if not dst.is_floating_point() and src.dtype != dst.dtype:
+        raise TypeError(f"{what}: dtype {src.dtype} where {dst.dtype} is kept")
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"{what}: shape {tuple(src.shape)} where {tuple(dst.shape)} is kept")
+    if isinstance(src, RaggedTensor):
+        if not isinstance(dst, RaggedTensor) and src.ragged_shard.world_size == 1:
+            dst.copy_(src.local.view(dst.shape))
+            return
+        if not isinstance(dst, RaggedTensor) or src.ragged_shard != dst.ragged_shard:
+            raise ValueError(
+                f"{what} was saved with another sharding ({getattr(src, 'ragged_shard', None)}); "
+                "load resharded checkpoints with torch.distributed.checkpoint (DCP), or pass "
+                "full tensors"
+            )
+        if src.local.data_ptr() != dst.local.data_ptr() or not src.local.numel():
+            dst.local.copy_(src.local)
+        return
+    if isinstance(dst, RaggedTensor):
+        start, stop = dst.local_range
+        dst.local.copy_(src.reshape(-1)[start:stop])
+        return
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)

@@ -1,0 +1,339 @@
+"""Unit rules: which unit each tensor is cut into, decided once for the runtime and the planner.
+
+A *unit* is the number of elements that must stay together on one rank: ranks' pieces of a
+tensor start at multiples of it. A *shard policy* decides it per tensor, ``(fqn, param) ->
+unit`` with only ``param.shape`` read, and ``fully_shard``, the optimizers' drop-in buffers and
+the capacity planner all ask the same policies through :func:`resolve_units`, so an optimizer's
+block requirement (8-bit quantization blocks, Shampoo slabs, whole Muon matrices) is honoured
+wherever a layout is planned, and the planner predicts the layout the runtime builds:
+
+    fully_shard(block, shard_policy=combine(row_units(32), AdamW8bit.shard_policy()))
+
+Some policies can only decide for a whole group at once (Muon keeps a matrix whole where that
+adds no padding, which depends on the other tensors): they implement :class:`GroupShardPolicy`.
+
+This module is pure Python (the planner runs without torch); the optimizers' ``shard_policy``
+classmethods return the policies built here.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, TensorSpec, plan_layout
+from raggedfsdp.sharding.ragged_shard import row_numel
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "NON_MUON_MODULES",
+    "GroupShardPolicy",
+    "MuonShardPolicy",
+    "ShardPolicy",
+    "TensorMeta",
+    "WholeMatrices",
+    "adamw8bit_policy",
+    "check_preconditioner_dim",
+    "combine",
+    "element_units",
+    "is_muon_matrix",
+    "matrix_unit",
+    "quantized_unit",
+    "resolve_units",
+    "row_units",
+    "shampoo_blocked",
+    "shampoo_policy",
+    "shampoo_slab_rows",
+    "slice_units",
+]
+
+#: ``(fully qualified name, parameter) -> unit in elements``; only ``param.shape`` is read.
+ShardPolicy = Callable[[str, Any], int]
+
+#: One tensor of a group as group policies see it: ``(name, shape, dtype)``, the dtype a torch
+#: dtype or its name (``"bfloat16"``).
+TensorEntry = tuple[str, Sequence[int], Any]
+
+#: Muon's ``whole_matrices`` setting (see ``MuonShardPolicy``).
+WholeMatrices = bool | Literal["auto"]
+
+
+class GroupShardPolicy(ABC):
+    """A policy that decides the units of a whole group at once.
+
+    ``units_for_group`` sees every tensor of one group (one ``fully_shard`` call, one drop-in
+    bucket, one planned group) and the shard world size, and answers a unit per name; it is
+    what :func:`resolve_units` calls. ``__call__`` is the per-tensor answer for callers that
+    only see one tensor: it must be a safe choice on its own (usually the smallest unit).
+    """
+
+    @abstractmethod
+    def __call__(self, fqn: str, param: Any) -> int:
+        """The unit of one tensor when the group is not known."""
+
+    @abstractmethod
+    def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
+        """The unit of every ``(name, shape, dtype)`` tensor of one group over ``world_size``."""
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a plain policy receives when only a tensor's shape and dtype are known (the
+    planner, group policies): it answers ``shape``, ``dtype``, ``numel()`` and ``dim()`` like a
+    tensor, so policies written against parameters work unchanged."""
+
+    shape: tuple[int, ...]
+    dtype: Any = "float32"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def resolve_units(
+    policy: ShardPolicy,
+    tensors: Sequence[TensorEntry],
+    world_size: int,
+    params: Mapping[str, Any] | None = None,
+) -> dict[str, int]:
+    """The unit of every tensor of one group: the one entry point every caller uses.
+
+    A :class:`GroupShardPolicy` decides for the group at once; a plain callable is asked per
+    tensor, with ``params[name]`` when given (the real parameter) or a :class:`TensorMeta`.
+    A unit that is not a positive int is an error naming the tensor, since a layout planned
+    with it would be meaningless.
+    """
+    if isinstance(policy, GroupShardPolicy):
+        units = policy.units_for_group(tensors, world_size)
+    else:
+        units = {}
+        for name, shape, dtype in tensors:
+            param = params[name] if params is not None else TensorMeta(tuple(shape), dtype)
+            units[name] = policy(name, param)
+    for name, _, _ in tensors:
+        unit = units.get(name)
+        if not isinstance(unit, int) or isinstance(unit, bool) or unit < 1:
+            raise ValueError(
+                f"shard_policy returned unit={unit!r} for parameter {name!r}; it must return a "
+                "positive number of elements (e.g. raggedfsdp.sharding.row_units(32))"
+            )
+    return units
+
+
+# ----------------------------------------------------------------------------- plain rules
+def element_units() -> ShardPolicy:
+    """ZeRO-style: any element may start a rank's piece (the least padding)."""
+    return lambda fqn, param: 1
+
+
+#: ``fully_shard``'s default, and the capacity planner's: element units.
+DEFAULT_POLICY: ShardPolicy = element_units()
+
+
+def row_units(rows: int = 1) -> ShardPolicy:
+    """Units of ``rows`` rows (vectors along the last dim; elements for 1-D tensors): keeps
+    ``rows × n`` tiles such as 32×32 quantization blocks or 128×128 FP8 blocks whole."""
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"row_units: rows={rows!r} must be a positive int")
+    return lambda fqn, param: max(1, rows * row_numel(tuple(param.shape)))
+
+
+def matrix_unit(shape: Sequence[int]) -> int:
+    """Elements of one matrix: the whole tensor for 2-D, one ``(m, n)`` slice of a stacked
+    ``(E, m, n)`` tensor (one expert), so Newton–Schulz sees whole matrices."""
+    return math.prod(shape[1:]) if len(shape) == 3 else math.prod(shape)
+
+
+def slice_units() -> ShardPolicy:
+    """Whole slices of dim 0 for tensors of 3 or more dims (one expert matrix of a stacked
+    ``(E, m, n)`` tensor), whole matrices for 2-D tensors, elements for vectors."""
+
+    def unit(fqn: str, param: Any) -> int:
+        shape = tuple(param.shape)
+        if len(shape) >= 3:
+            return max(1, math.prod(shape[1:]))
+        return max(1, math.prod(shape)) if len(shape) == 2 else 1
+
+    return unit
+
+
+def combine(*policies: ShardPolicy) -> ShardPolicy:
+    """A policy whose unit is the LCM of the given policies' units, so all stay whole. With a
+    :class:`GroupShardPolicy` among them the result is one too (each decides for the group)."""
+    if not policies:
+        raise ValueError("combine: give at least one policy")
+    if any(isinstance(p, GroupShardPolicy) for p in policies):
+        return _Combined(policies)
+    return lambda fqn, param: math.lcm(*(max(1, p(fqn, param)) for p in policies))
+
+
+class _Combined(GroupShardPolicy):
+    """``combine`` of policies of which at least one decides per group."""
+
+    def __init__(self, policies: Sequence[ShardPolicy]) -> None:
+        self.policies = tuple(policies)
+
+    def __call__(self, fqn: str, param: Any) -> int:
+        return math.lcm(*(max(1, p(fqn, param)) for p in self.policies))
+
+    def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
+        decided = [resolve_units(p, tensors, world_size) for p in self.policies]
+        return {name: math.lcm(*(units[name] for units in decided)) for name, _, _ in tensors}
+
+
+# ----------------------------------------------------------------------------- Muon
+#: Modules whose 2-D weights are not hidden matrices (lookup tables and output maps): Muon
+#: leaves them to its AdamW groups. Names containing "embed" are excluded as well.
+NON_MUON_MODULES = (
+    "classifier",
+    "embed_tokens",
+    "embedding",
+    "embeddings",
+    "head",
+    "lm_head",
+    "output",
+    "tok_embeddings",
+    "wpe",
+    "wte",
+)
+
+
+def is_muon_matrix(fqn: str, shape: Sequence[int]) -> bool:
+    """Whether Muon (not its AdamW fallback) updates this tensor: 2-D matrices and stacked
+    ``(E, m, n)`` experts, except embeddings and output heads, told by the name of the module
+    that owns the weight (``lm_head.weight``) or by "embed" anywhere in the name."""
+    module = fqn.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower() if "." in fqn else ""
+    return len(shape) in (2, 3) and module not in NON_MUON_MODULES and "embed" not in fqn.lower()
+
+
+class MuonShardPolicy(GroupShardPolicy):
+    """Units for Muon: whole matrices (one expert matrix of a stacked tensor) for Muon
+    matrices, elements for the rest.
+
+    ``whole_matrices``: True always keeps Muon matrices whole (no Newton–Schulz communication,
+    at the cost of padding); False uses element units (least padding; matrices cut between ranks
+    travel to their owner); "auto" keeps a matrix whole only when the group's planned padding
+    does not grow. "auto" needs the whole group, so it is decided by ``units_for_group``;
+    asked per parameter, "auto" answers element units.
+    """
+
+    def __init__(
+        self,
+        whole_matrices: WholeMatrices = "auto",
+        is_muon: Callable[[str, Sequence[int]], bool] = is_muon_matrix,
+        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    ) -> None:
+        if whole_matrices not in (True, False, "auto"):
+            raise ValueError(f"whole_matrices={whole_matrices!r}: use True, False or 'auto'")
+        self.whole_matrices = whole_matrices
+        self.is_muon = is_muon
+        self.alignment_bytes = alignment_bytes
+
+    def __call__(self, fqn: str, param: Any) -> int:
+        shape = tuple(param.shape)
+        if self.whole_matrices is True and self.is_muon(fqn, shape):
+            return max(1, matrix_unit(shape))
+        return 1
+
+    def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
+        """Units for one group's ``(name, shape, dtype)`` tensors. "auto": start from element
+        units and make Muon matrices whole, all at once or else one by one (largest first,
+        the 32 largest), while the planned padding stays at the element plan's."""
+        units = {name: 1 for name, _, _ in tensors}
+        candidates = [
+            name
+            for name, shape, _ in tensors
+            if self.is_muon(name, tuple(shape)) and matrix_unit(shape) > 1
+        ]
+        if self.whole_matrices is not True and (self.whole_matrices is False or world_size == 1):
+            return units
+        shapes = {name: tuple(shape) for name, shape, _ in tensors}
+        if self.whole_matrices is True:
+            return units | {n: matrix_unit(shapes[n]) for n in candidates}
+        dtype = str(tensors[0][2]).removeprefix("torch.") if tensors else "float32"
+
+        def padding(trial: dict[str, int]) -> int:
+            specs = [TensorSpec(n, shapes[n], dtype, trial[n]) for n, _, _ in tensors]
+            layout = plan_layout(specs, world_size, self.alignment_bytes)
+            return layout.buffer_numel - layout.numel
+
+        budget = padding(units)
+        every = units | {n: matrix_unit(shapes[n]) for n in candidates}
+        if padding(every) <= budget:
+            return every
+        for name in sorted(candidates, key=lambda n: -math.prod(shapes[n]))[:32]:
+            trial = units | {name: matrix_unit(shapes[name])}
+            if padding(trial) <= budget:
+                units = trial
+        return units
+
+
+# ----------------------------------------------------------------------------- 8-bit AdamW
+def quantized_unit(shape: Sequence[int], block_size: int, tile: tuple[int, int] | None) -> int:
+    """Elements of one quantization unit of a quantized tensor: ``tile[0]`` whole rows when
+    tensors of 2+ dims are quantized in 2-D tiles, else one ``block_size`` block."""
+    return tile[0] * row_numel(tuple(shape)) if tile and len(shape) >= 2 else block_size
+
+
+def adamw8bit_policy(
+    block_size: int = 256, tile: tuple[int, int] | None = None, min_8bit_size: int = 4096
+) -> ShardPolicy:
+    """``AdamW8bit``'s rule: units that keep every quantization block on one rank
+    (``quantized_unit``); one element for tensors below ``min_8bit_size`` elements, which keep
+    full-precision state."""
+
+    def unit(fqn: str, param: Any) -> int:
+        shape = tuple(param.shape)
+        if math.prod(shape) < min_8bit_size:
+            return 1
+        return quantized_unit(shape, block_size, tile)
+
+    return unit
+
+
+# ----------------------------------------------------------------------------- Shampoo
+def check_preconditioner_dim(max_preconditioner_dim: Any) -> None:
+    """Shampoo's block side ``B`` must be an int >= 1 (it decides the shard layout)."""
+    if (
+        not isinstance(max_preconditioner_dim, int)
+        or isinstance(max_preconditioner_dim, bool)
+        or max_preconditioner_dim < 1
+    ):
+        raise ValueError(
+            f"Invalid max_preconditioner_dim: {max_preconditioner_dim!r}; it is the largest "
+            "block side B and must be an int >= 1 (default 1024)"
+        )
+
+
+def shampoo_blocked(shape: Sequence[int]) -> bool:
+    """Whether Shampoo preconditions the tensor with blocks (2+ dims, not empty); others are
+    Adam-grafted only."""
+    return len(shape) >= 2 and math.prod(shape) > 0
+
+
+def shampoo_slab_rows(shape: Sequence[int], max_dim: int) -> int:
+    """Rows of one slab (one row of ``B × B`` blocks) of the tensor's ``rows × cols`` view."""
+    return min(max_dim, math.prod(shape) // row_numel(tuple(shape)))
+
+
+def shampoo_policy(max_preconditioner_dim: int = 1024) -> ShardPolicy:
+    """``Shampoo``'s rule: one slab (``min(B, rows)`` whole rows) per unit for tensors of two or
+    more dims, so every ``B × B`` block is whole on one rank; elements for the rest."""
+    check_preconditioner_dim(max_preconditioner_dim)
+
+    def unit(fqn: str, param: Any) -> int:
+        shape = tuple(param.shape)
+        if not shampoo_blocked(shape):
+            return 1
+        return shampoo_slab_rows(shape, max_preconditioner_dim) * row_numel(shape)
+
+    return unit

@@ -1,0 +1,452 @@
+"""raggedfsdp.optim.Shampoo: a float64 loop reference, bitwise world-size invariance (drop-in and
+FSDP, planned / uneven / empty shards), zero optimizer bytes when blocks are local, owner compute
+for layouts that cut blocks, fully_shard, state dicts, DCP resharding, bad input."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from raggedfsdp.optim import AdamW, Shampoo
+from raggedfsdp.sharding import RaggedShard, RaggedTensor
+from tests.support.optim_helpers import (
+    assert_resumes_bitwise,
+    counted_params,
+    exact_grads,
+    init_tensors,
+    mode_params,
+    ragged_params,
+    rank_world,
+    set_ragged_grads,
+    train_checkpointed,
+)
+
+B = 4  # small blocks: several per matrix, cut edges, a matrix smaller than one block
+SHAPES = {
+    "w": (10, 6),  # 3 x 2 blocks, edges 2 rows / 2 cols
+    "x": (3, 4, 5),  # viewed as 12 x 5
+    "big": (9, 7),
+    "bias": (7,),  # 1-D: Adam grafting only
+    "row": (1, 3),  # smaller than a block
+}
+BASE = {"lr": 0.05, "epsilon": 1e-6, "max_preconditioner_dim": B}
+CONFIGS = {
+    "defaults": {},
+    "ema-freq2-start3": {
+        "betas": (0.8, 0.95),
+        "precondition_frequency": 2,
+        "start_preconditioning_step": 3,
+        "grafting_beta2": 0.9,
+        "weight_decay": 0.1,
+    },
+    "nesterov-l2": {
+        "betas": (0.0, 0.99),
+        "momentum": 0.5,
+        "dampening": 0.1,
+        "use_nesterov": True,
+        "weight_decay": 0.05,
+        "use_decoupled_weight_decay": False,
+        "use_bias_correction": False,
+        "grafting_beta2": 1.0,
+    },
+    "momentum": {"momentum": 0.9, "weight_decay": 0.01},
+}
+
+
+# ----------------------------------------------------------------------------- the reference
+def _inverse_fourth_root(a: torch.Tensor, eps: float) -> torch.Tensor:
+    lam, q = torch.linalg.eigh(a)
+    lam = lam - min(lam.min().item(), 0.0) + eps
+    return q @ torch.diag(lam ** (-0.25)) @ q.T
+
+
+def reference(
+    init: dict[str, torch.Tensor], grads: list[dict[str, torch.Tensor]], config: dict
+) -> dict[str, torch.Tensor]:
+    """DistributedShampoo's rule in float64, one parameter and one block at a time."""
+    c = {
+        "lr": 1e-2,
+        "betas": (0.9, 1.0),
+        "epsilon": 1e-12,
+        "momentum": 0.0,
+        "dampening": 0.0,
+        "weight_decay": 0.0,
+        "max_preconditioner_dim": 1024,
+        "precondition_frequency": 1,
+        "start_preconditioning_step": -1,
+        "use_nesterov": False,
+        "use_bias_correction": True,
+        "use_decoupled_weight_decay": True,
+        "grafting_beta2": 0.99,
+        "grafting_epsilon": 1e-10,
+    }
+    c.update(config)
+    b1, b2 = c["betas"]
+    gb2, size, wd = c["grafting_beta2"], c["max_preconditioner_dim"], c["weight_decay"]
+    start = c["start_preconditioning_step"]
+    start = c["precondition_frequency"] if start == -1 else start
+    params = {n: t.double().clone() for n, t in init.items()}
+    state = {
+        n: {"f": torch.zeros_like(p), "v": torch.zeros_like(p), "m": torch.zeros_like(p)}
+        for n, p in params.items()
+    }
+    for t, step_grads in enumerate(grads, start=1):
+        for name, p in params.items():
+            s = state[name]
+            g = step_grads[name].double()
+            if wd and not c["use_decoupled_weight_decay"]:
+                g = g + wd * p
+            s["v"] = s["v"] + g * g if gb2 == 1 else gb2 * s["v"] + (1 - gb2) * g * g
+            s["f"] = b1 * s["f"] + (1 - b1) * g
+            f_hat = s["f"] / (1 - b1**t) if c["use_bias_correction"] else s["f"]
+            f_hat = g if b1 == 0 else f_hat
+            v_hat = s["v"] / (1 - gb2**t) if c["use_bias_correction"] and gb2 < 1 else s["v"]
+            adam = f_hat / (v_hat.sqrt() + c["grafting_epsilon"])
+            d = adam.clone()
+            if p.dim() >= 2:
+                cols = p.shape[-1]
+                rows = p.numel() // cols
+                gm, fm, am, dm = (x.reshape(rows, cols) for x in (g, f_hat, adam, d))
+                for r0 in range(0, rows, size):
+                    for c0 in range(0, cols, size):
+                        blk = (slice(r0, r0 + size), slice(c0, c0 + size))
+                        gb = gm[blk]
+                        key = (r0, c0)
+                        if key not in s:
+                            s[key] = {
+                                "L": torch.zeros(gb.shape[0], gb.shape[0], dtype=torch.float64),
+                                "R": torch.zeros(gb.shape[1], gb.shape[1], dtype=torch.float64),
+                            }
+                        k = s[key]
+                        for side, outer in (("L", gb @ gb.T), ("R", gb.T @ gb)):
+                            k[side] = (
+                                k[side] + outer if b2 == 1 else b2 * k[side] + (1 - b2) * outer
+                            )
+                        if t % c["precondition_frequency"] == 0:
+                            bc = 1 - b2**t if c["use_bias_correction"] and b2 < 1 else 1.0
+                            k["Li"] = _inverse_fourth_root(k["L"] / bc, c["epsilon"])
+                            k["Ri"] = _inverse_fourth_root(k["R"] / bc, c["epsilon"])
+                        if t >= start:
+                            shampoo = k["Li"] @ fm[blk] @ k["Ri"]
+                            norm = am[blk].norm() / (shampoo.norm() + 1e-16)
+                            dm[blk] = shampoo * norm
+            if c["use_decoupled_weight_decay"]:
+                d = d + wd * p
+            if c["momentum"]:
+                s["m"] = c["momentum"] * s["m"] + (1 - c["dampening"]) * d
+                d = d + c["momentum"] * s["m"] if c["use_nesterov"] else s["m"]
+            p -= c["lr"] * d
+    return params
+
+
+def _grads(steps: int, world: int = 1) -> list[dict[str, torch.Tensor]]:
+    return [
+        {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
+        for step in range(steps)
+    ]
+
+
+def _run_single(config: dict, dtype: torch.dtype, steps: int = 5) -> dict[str, torch.Tensor]:
+    init = init_tensors(SHAPES)
+    params = {n: torch.nn.Parameter(t.to(dtype)) for n, t in init.items()}
+    opt = Shampoo(list(params.items()), **{**BASE, **config})
+    for grads in _grads(steps):
+        for n, p in params.items():
+            p.grad = grads[n].to(dtype)
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_float64_matches_the_loop_reference(config):
+    ours = _run_single(CONFIGS[config], torch.float64)
+    ref = reference(init_tensors(SHAPES), _grads(5), {**BASE, **CONFIGS[config]})
+    for n in SHAPES:
+        torch.testing.assert_close(ours[n], ref[n], rtol=1e-8, atol=1e-8, msg=n)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_float32_matches_the_loop_reference(config):
+    ours = _run_single(CONFIGS[config], torch.float32)
+    ref = reference(init_tensors(SHAPES), _grads(5), {**BASE, **CONFIGS[config]})
+    for n in SHAPES:
+        torch.testing.assert_close(ours[n].double(), ref[n], rtol=1e-4, atol=1e-4, msg=n)
+
+
+def test_the_defaults_are_distributed_shampoo_s():
+    p = torch.nn.Parameter(torch.zeros(3, 3))
+    g = Shampoo([p]).param_groups[0]
+    assert (g["lr"], g["betas"], g["epsilon"]) == (1e-2, (0.9, 1.0), 1e-12)
+    assert (g["max_preconditioner_dim"], g["precondition_frequency"]) == (1024, 1)
+    assert g["start_preconditioning_step"] == 1  # -1 means precondition_frequency
+    assert (g["momentum"], g["weight_decay"], g["use_decoupled_weight_decay"]) == (0, 0, True)
+    assert (g["grafting_beta2"], g["grafting_epsilon"]) == (0.99, 1e-10)
+
+
+# ----------------------------------------------------------------------------- world sizes
+def _layout(kind: str, world: int) -> dict[str, RaggedShard]:
+    """Explicit splits: ``uneven`` (whole slabs, some ranks empty) or ``cut`` (element units
+    that cut blocks, ragged)."""
+    policy = Shampoo.shard_policy(B)
+    out = {}
+    for i, (n, shape) in enumerate(SHAPES.items()):
+        numel = math.prod(shape)
+        if kind == "uneven":
+            unit = policy(n, torch.empty(shape))
+            units = -(-numel // unit)
+            counts = [0] * world
+            for u in range(units):  # pile onto the last ranks, leaving rank 0 mostly empty
+                counts[(world - 1 - (u + i) % 2) % world] += 1
+            counts = sorted(counts)
+            out[n] = RaggedShard.from_counts(shape, unit, counts, n)
+        else:
+            cuts = sorted((numel * (3 * r + i)) // (3 * world + 2) for r in range(1, world))
+            bounds = [0, *cuts, numel]
+            counts = [bounds[r + 1] - bounds[r] for r in range(world)]
+            out[n] = RaggedShard.from_counts(shape, 1, counts, n)
+    return out
+
+
+def _train(mode: str, config: dict, steps: int = 4) -> tuple[dict, list[dict]]:
+    """Full parameters and states after ``steps`` steps (identical gradients on every rank) and
+    the per-step stats."""
+    rank, world = rank_world()
+    init = init_tensors(SHAPES)
+    if mode == "planned":
+        params, gbuf = ragged_params(init, Shampoo.shard_policy(B), world, rank)
+    elif mode in ("uneven", "cut"):
+        params, gbuf = counted_params(init, _layout(mode, world), rank), None
+    else:
+        params, gbuf = {n: torch.nn.Parameter(t) for n, t in init.items()}, None
+    opt = Shampoo(list(params.items()), **{**BASE, **config})
+    stats = []
+    for grads in _grads(steps, world):
+        if mode in ("planned", "uneven", "cut"):
+            set_ragged_grads(params, grads, gbuf)
+        else:
+            for n, p in params.items():
+                p.grad = grads[n].clone()
+        opt.step()
+        stats.append(dict(opt.last_step_stats))
+    out = {}
+    for i, (n, p) in enumerate(params.items()):
+        out[n] = p.full_tensor() if isinstance(p, RaggedTensor) else p.detach().clone()
+        for key, value in opt.state_dict()["state"][i].items():
+            full = value.full_tensor() if isinstance(value, RaggedTensor) else value
+            out[f"{n}.{key}"] = full.clone()
+    return out, stats
+
+
+@pytest.mark.parametrize("config", ["defaults", "ema-freq2-start3"])
+@pytest.mark.parametrize("mode", ["planned", "uneven", "drop-in", "cut"])
+def test_every_world_size_equals_one_process_bitwise(pool, mode, config):
+    expected, single_stats = _train("single", CONFIGS[config])
+    results = pool.run(_train, mode, CONFIGS[config])
+    for rank, (result, _) in enumerate(results):
+        assert result.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(result[key], value), (rank, key)
+    for step, single in enumerate(single_stats):
+        per_rank = [stats[step] for _, stats in results]
+        for key in ("eigendecompositions", "blocks", "eigh_cost"):  # the work is spread
+            assert sum(s[key] for s in per_rank) == single[key], key
+        moved = sum(s["bytes_communicated"] for s in per_rank)
+        if mode == "cut" and pool.world_size > 1:
+            assert moved > 0 and sum(s["owner_slabs"] for s in per_rank) > 0
+        else:
+            assert moved == 0  # blocks are local: no optimizer communication at all
+
+
+# ----------------------------------------------------------------------------- fully_shard
+def _fully_shard_train() -> list[tuple[str, bool, bool, int]]:
+    from raggedfsdp.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 10), torch.nn.GELU(), torch.nn.Linear(10, 6), torch.nn.Linear(6, 3)
+    )
+    reference_model = copy.deepcopy(model)
+    policy = Shampoo.shard_policy(B)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, shard_policy=policy)
+    fully_shard(model, shard_policy=policy)
+    opt = Shampoo(model.parameters(), **BASE)
+    ref_opt = Shampoo(reference_model.parameters(), **BASE)
+    moved = 0
+    for step in range(3):
+        x = torch.randn(16, 12, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (reference_model, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+        moved += opt.last_step_stats["bytes_communicated"]
+    return [
+        (n, isinstance(p, RaggedTensor), torch.equal(p.full_tensor(), q.detach()), moved)
+        for (n, p), q in zip(model.named_parameters(), reference_model.parameters(), strict=True)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_fully_shard_training_equals_one_process_bitwise(pool):
+    for rank, result in enumerate(pool.run(_fully_shard_train)):
+        for name, ragged, equal, moved in result:
+            assert ragged and equal and moved == 0, (rank, name)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def test_state_dict_round_trip_single_process():
+    init = init_tensors(SHAPES)
+    config = {**BASE, **CONFIGS["momentum"]}
+    a = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    b = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    opt_a, opt_b = Shampoo(list(a.values()), **config), Shampoo(list(b.values()), **config)
+    grads = _grads(5)
+    for step, g in enumerate(grads):
+        if step == 2:
+            for n in SHAPES:
+                b[n].data.copy_(a[n])
+            opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+        for params, opt in ((a, opt_a), (b, opt_b)) if step >= 2 else ((a, opt_a),):
+            for n, p in params.items():
+                p.grad = g[n].clone()
+            opt.step()
+    for n in SHAPES:
+        assert torch.equal(a[n], b[n]), n
+    keys = set(opt_a.state_dict()["state"][0])
+    assert keys == {
+        "step",
+        "filtered_grad",
+        "grafting_v",
+        "momentum",
+        "factor_L",
+        "factor_R",
+        "inv_root_L",
+        "inv_root_R",
+    }
+
+
+def _dcp(path: str, mode: str, save: bool) -> dict[str, torch.Tensor]:
+    """Save after 2 steps then run 2 more (save=True), or load and run the last 2."""
+    init = init_tensors(SHAPES, seed=0 if save else 3)
+    params, gbuf = mode_params(init, Shampoo.shard_policy(B), mode)
+    opt = Shampoo(list(params.items()), **BASE, momentum=0.5)
+    return train_checkpointed(opt, params, gbuf, SHAPES, path, save, steps=4, at=2)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "drop-in"])
+def test_dcp_save_at_4_ranks_resumes_bitwise_at_3(dist_pool, tmp_path, mode):
+    assert_resumes_bitwise(dist_pool, _dcp, str(tmp_path / "ckpt"), mode, names=SHAPES)
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_preconditioner_dim": 0}, "max_preconditioner_dim"),
+        ({"max_preconditioner_dim": 2.5}, "max_preconditioner_dim"),
+        ({"epsilon": 0.0}, "epsilon"),
+        ({"epsilon": -1e-6}, "epsilon"),
+        ({"precondition_frequency": 4, "start_preconditioning_step": 2}, "start_precondition"),
+        ({"precondition_frequency": 0}, "precondition_frequency"),
+        ({"betas": (1.0, 1.0)}, "index 0"),
+        ({"betas": (0.9, 0.0)}, "index 1"),
+        ({"lr": -1.0}, "learning rate"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"grafting_epsilon": 0.0}, "grafting_epsilon"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Shampoo([torch.nn.Parameter(torch.zeros(2, 2))], **kwargs)
+
+
+def test_bad_parameters_are_rejected():
+    with pytest.raises(ValueError, match="complex"):
+        Shampoo([torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="max_preconditioner_dim"):
+        Shampoo.shard_policy(0)
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="decides the shard layout"):
+        Shampoo([{"params": [p], "max_preconditioner_dim": 8}], max_preconditioner_dim=4)
+
+
+def test_failing_eigendecomposition_retries_in_fp64_then_keeps_the_old_roots(monkeypatch):
+    eigh = torch.linalg.eigh
+    calls = {"fail": "fp32"}
+
+    def flaky(a: torch.Tensor):
+        if calls["fail"] == "all" or (calls["fail"] == "fp32" and a.dtype == torch.float32):
+            raise torch.linalg.LinAlgError("simulated eigh failure")
+        return eigh(a)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    init = init_tensors(SHAPES)
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    opt = Shampoo(list(params.values()), **BASE)
+    opt.init_state()
+    for step, grads in enumerate(_grads(3)):
+        calls["fail"] = "fp32" if step < 2 else "all"
+        roots = {n: opt.state[p]["inv_root_L"].clone() for n, p in params.items() if p.dim() > 1}
+        for n, p in params.items():
+            p.grad = grads[n].clone()
+        opt.step()
+        stats = opt.last_step_stats
+        if step < 2:  # the fp64 retry succeeds
+            assert stats["fp64_retries"] == stats["eigendecompositions"] > 0
+            assert stats["root_failures"] == 0
+        else:  # fails too: counted, previous roots kept, parameters finite
+            assert stats["root_failures"] == stats["eigendecompositions"] > 0
+            for n, p in params.items():
+                if p.dim() > 1:
+                    assert torch.equal(opt.state[p]["inv_root_L"], roots[n]), n
+    assert all(torch.isfinite(p).all() for p in params.values())
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    ref = _run_single({}, torch.float32, steps=2)  # fp64 roots cast back: close to fp32 ones
+    fresh = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    opt = Shampoo(list(fresh.values()), **BASE)
+    for grads in _grads(2):
+        for n, p in fresh.items():
+            p.grad = grads[n].clone()
+        opt.step()
+    for n in SHAPES:
+        torch.testing.assert_close(fresh[n].detach(), ref[n])
+
+
+def test_non_finite_gradients_never_reach_the_roots():
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    opt = Shampoo([p], **BASE)
+    p.grad = torch.full((4, 4), 0.5)
+    opt.step()
+    roots = opt.state[p]["inv_root_L"].clone()
+    p.grad = torch.full((4, 4), float("inf"))
+    opt.step()
+    assert opt.last_step_stats["root_failures"] == 2
+    assert torch.equal(opt.state[p]["inv_root_L"], roots)
+
+
+def _ill_conditioned_regression(steps: int, make_optimizer) -> float:
+    """Least squares with inputs of condition number 100: where Shampoo's preconditioning pays."""
+    g = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    inputs = torch.randn(512, 64, generator=g) @ (basis * torch.logspace(0, -2, 64)) @ basis.T
+    targets = inputs @ torch.randn(64, 32, generator=g) + 0.01 * torch.randn(512, 32, generator=g)
+    torch.manual_seed(1)
+    model = torch.nn.Linear(64, 32, bias=False)
+    opt = make_optimizer(model.parameters())
+    for _ in range(steps):
+        ((model(inputs) - targets) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return ((model(inputs) - targets) ** 2).mean().item()
+
+
+def test_shampoo_reaches_a_lower_loss_than_adamw_at_equal_steps():
+    """Shampoo with its documented defaults (lr 1e-2) against AdamW at the same lr and no weight
+    decay, 100 steps: measured 0.359 vs 0.508 (and 0.015 vs 0.087 at lr 3e-2)."""
+    shampoo = _ill_conditioned_regression(100, lambda p: Shampoo(p))
+    adamw = _ill_conditioned_regression(100, lambda p: AdamW(p, lr=1e-2, weight_decay=0.0))
+    assert shampoo < 0.8 * adamw, (shampoo, adamw)

@@ -1,0 +1,234 @@
+"""Multi-process test harness: a pool of gloo ranks that lives for the whole test session.
+
+Spawning ranks and importing torch in each costs seconds, a collective costs milliseconds, so the
+pool starts its W processes once and then runs many small tasks on them: ``pool.run(fn, ...)``
+calls the module-level ``fn`` in every rank and returns the per-rank results.
+
+Failure handling is what makes the reuse safe. If a rank raises, the others may be blocked in a
+collective that will never complete, so after a short grace period (to collect every rank's
+traceback) the whole pool is killed; the same happens when ranks do not answer within the
+timeout. A killed pool respawns on its next use, so one broken test cannot poison later ones.
+
+Everything listens on 127.0.0.1 only: the parent hosts the rendezvous TCPStore on a socket it
+bound itself, and gloo is pinned to the loopback interface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.comm.launch import loopback_interface
+
+__all__ = ["WorkerPool"]
+
+GLOO_TIMEOUT = timedelta(seconds=60)
+STARTUP_TIMEOUT_S = 120.0
+FAILURE_GRACE_S = 1.0
+CLOSE_TIMEOUT_S = 10.0
+
+
+def _context() -> mp.context.BaseContext:
+    """A forkserver context that has torch imported already, or spawn where there is none.
+
+    Like spawn, forkserver children do not inherit the test process's state (they are forked
+    from a clean server that was itself started fresh with the parent's ``sys.path``), but the
+    server pays the torch import once: a 4-rank pool then starts in well under a second instead
+    of several seconds of importing torch 4 times on 2 cores.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+def _send(conn: Connection, message: tuple[str, Any]) -> None:
+    # Plain pickle, not the multiprocessing pickler: torch registers reducers there that move
+    # tensors through shared memory, which would tie a result's lifetime to the worker.
+    try:
+        payload = pickle.dumps(message)
+    except Exception:
+        payload = pickle.dumps(("error", f"result is not picklable:\n{traceback.format_exc()}"))
+    conn.send_bytes(payload)
+
+
+def _worker_main(
+    rank: int, world_size: int, port: int, interface: str | None, conn: Connection
+) -> None:
+    """Body of one rank: join the gloo group, then run tasks until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=GLOO_TIMEOUT)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=GLOO_TIMEOUT
+        )
+    except Exception:
+        _send(conn, ("error", traceback.format_exc()))
+        return
+    _send(conn, ("ready", None))
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except EOFError:  # the parent went away
+            break
+        if not payload:
+            break
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            reply: tuple[str, Any] = ("ok", fn(*args, **kwargs))
+        except BaseException:
+            reply = ("error", traceback.format_exc())
+        _send(conn, reply)
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` gloo ranks in separate processes, started lazily and reused across runs."""
+
+    def __init__(self, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size: must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        self._store: dist.TCPStore | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Whether workers are started (False before the first run and after a kill or close)."""
+        return bool(self._procs)
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, **kwargs: Any
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` in every rank; return the results in rank order.
+
+        ``fn`` must be picklable (a module-level function). Raises AssertionError with every
+        failing rank's traceback if any rank raises, TimeoutError naming the silent ranks if some
+        do not answer within ``timeout`` seconds; either way the pool is killed and respawns on
+        the next call. ``timeout`` belongs to the harness, so ``fn`` cannot take a keyword of
+        that name.
+        """
+        __tracebackhide__ = True  # pytest: show the rank tracebacks, not this frame
+        payload = pickle.dumps((fn, args, kwargs))  # fail here, not in the ranks
+        if not self.alive:
+            self._start()
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # a dead worker is reported by _collect
+                conn.send_bytes(payload)
+        replies = self._collect(time.monotonic() + timeout)
+        errors = {rank: text for rank, (kind, text) in replies.items() if kind == "error"}
+        missing = [rank for rank in range(self.world_size) if rank not in replies]
+        if not errors and not missing:
+            return [replies[rank][1] for rank in range(self.world_size)]
+        self._kill()
+        name = getattr(fn, "__qualname__", repr(fn))
+        header = f"WorkerPool({self.world_size}).run({name}) failed"
+        silent = f"ranks {missing} did not answer within {timeout:g} s; the pool was killed"
+        if not errors:
+            raise TimeoutError(f"{header}: {silent}")
+        parts = [header] + [f"--- rank {rank} ---\n{text}" for rank, text in sorted(errors.items())]
+        if missing:
+            parts.append(f"(other ranks: {silent})")
+        raise AssertionError("\n".join(parts))
+
+    def close(self) -> None:
+        """Stop the workers cleanly (killing any that do not exit); a later run respawns them."""
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # a worker that already died
+                conn.send_bytes(b"")
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        self._kill()
+
+    def _collect(self, deadline: float) -> dict[int, tuple[str, Any]]:
+        """Gather replies until all ranks answered or the deadline passed.
+
+        The first error moves the deadline to at most ``FAILURE_GRACE_S`` away: ranks still
+        running are then probably blocked on the failed one.
+        """
+        replies: dict[int, tuple[str, Any]] = {}
+        pending = dict(zip(self._conns, range(self.world_size), strict=True))
+        while pending and (remaining := deadline - time.monotonic()) > 0:
+            for conn in wait(list(pending), timeout=remaining):
+                rank = pending.pop(conn)
+                try:
+                    replies[rank] = pickle.loads(conn.recv_bytes())
+                except EOFError:
+                    self._procs[rank].join(1.0)
+                    code = self._procs[rank].exitcode
+                    replies[rank] = ("error", f"rank {rank} died (exit code {code})")
+                except Exception:
+                    replies[rank] = ("error", f"reply not unpicklable:\n{traceback.format_exc()}")
+                if replies[rank][0] == "error":
+                    deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+        return replies
+
+    def _start(self) -> None:
+        # The parent binds the store's socket itself so it listens on loopback only and the port
+        # is free by construction (no pick-then-bind race); the store takes over the descriptor.
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=GLOO_TIMEOUT,
+            master_listen_fd=listener.detach(),
+        )
+        ctx = _context()
+        interface = loopback_interface()
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, interface, child_end),
+                name=f"gloo-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()  # so the parent sees EOF when the worker dies
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        replies = self._collect(time.monotonic() + STARTUP_TIMEOUT_S)
+        failed = {rank: text for rank, (kind, text) in replies.items() if kind != "ready"}
+        missing = [rank for rank in range(self.world_size) if rank not in replies]
+        if not failed and not missing:
+            return
+        self._kill()
+        parts = [f"WorkerPool({self.world_size}) failed to start"]
+        parts += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(failed.items())]
+        if missing:
+            parts.append(f"ranks {missing} were not ready within {STARTUP_TIMEOUT_S:g} s")
+        raise RuntimeError("\n".join(parts))
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(5.0)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
