@@ -30,8 +30,8 @@ test-fast: setup
 # rendezvous on 127.0.0.1; wandb offline). Outputs in runs/demo; Ctrl-C saves a checkpoint and the
 # same command resumes. Overrides: `make run RUN_ARGS="--fsdp fsdp2 --run-dir runs/demo-fsdp2"`.
 run: setup
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --nnodes 1 --nproc-per-node 2 --rdzv-backend c10d \
-		--rdzv-endpoint 127.0.0.1:0 --local-addr 127.0.0.1 \
+	OMP_NUM_THREADS=1 $(BIN)/python -m recipes.llama.launch --nnodes 1 --nproc-per-node 2 \
+		--rdzv-backend c10d --rdzv-endpoint 127.0.0.1:0 --local-addr 127.0.0.1 \
 		-m recipes.llama.train --run-dir runs/demo --wandb-mode offline $(RUN_ARGS)
 
 lint: setup

@@ -1,4 +1,21 @@
-"""Distributed Muon step: owner compute on ragged shards vs FSDP2 + torch Muon vs gather-all.
+"""Muon step: batched vs per-matrix Newton–Schulz on a MoE model; owner compute on ragged shards
+vs FSDP2 + torch Muon vs gather-all.
+
+**MoE, one process** (``--part moe``): a MoE-shaped model (per layer wq, wk, wv, wo of d×d, a
+router of E×d and E stacked experts: w1, w3 of (E, h, d) and w2 of (E, d, h)); variants timed
+alternately over the same gradients, medians of CPU time:
+
+* ``batched``: ``raggedfsdp.optim.Muon`` (``batched_ns=True``, the default): one NS chain per
+  shape (the experts of all layers, the attention projections of all layers);
+* ``per-matrix``: the same with ``batched_ns=False``, one chain per matrix;
+* ``torch``: ``torch.optim.Muon`` on the same matrices (each expert its own 2-D parameter, as
+  torch's Muon takes 2-D only).
+
+NS FLOPs per step (``ns_flops``) over the median step give each variant's GFLOP/s, beside the
+bf16 matmul ceiling measured in the same run (the best of a 2048² ``mm`` and a batched
+``bmm`` of the experts' shape).
+
+**Distributed** (``--part worlds``):
 
 Same gloo run (127.0.0.1), W=2 then W=4, a small transformer's hidden matrices (per layer wq, wk,
 wv, wo of d×d and w1, w3 of 4d×d, w2 of d×4d), the same full gradients on every rank (so no
@@ -17,8 +34,9 @@ Bytes are those this rank receives from other ranks per step: ours from ``last_s
 gather from the all-gather size; fsdp2 from the sizes of DTensor's functional collectives
 (all-gather (W-1)·in, ring all-reduce 2(W-1)/W·in, reduce-scatter (W-1)/W·in).
 
-    .venv/bin/python benchmarks/muon_step.py                 # table + one JSON line
+    .venv/bin/python benchmarks/muon_step.py                 # both parts, tables + JSON lines
     .venv/bin/python benchmarks/muon_step.py --dim 128 --layers 2 --rounds 5 --worlds 2
+    .venv/bin/python benchmarks/muon_step.py --part moe --experts 16 --expert-hidden 128
 """
 
 from __future__ import annotations
@@ -38,6 +56,7 @@ from raggedfsdp.comm.launch import free_port
 from raggedfsdp.optim import Muon
 from raggedfsdp.optim.muon import newton_schulz
 from raggedfsdp.sharding import FlatBuffer, RaggedShard, RaggedTensor, TensorSpec, plan_layout
+from raggedfsdp.sharding.owners import ns_flops
 
 HYPER = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -48,6 +67,118 @@ def layer_shapes(dim: int) -> dict[str, tuple[int, int]]:
     return qkvo | {"w1": (4 * dim, dim), "w3": (4 * dim, dim), "w2": (dim, 4 * dim)}
 
 
+# ----------------------------------------------------------------------------- MoE, one process
+def moe_shapes(layers: int, dim: int, experts: int, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The Muon matrices of a MoE model: attention projections, router, stacked experts."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(layers):
+        shapes |= {f"l{i}.{k}": (dim, dim) for k in ("wq", "wk", "wv", "wo")}
+        shapes |= {f"l{i}.router": (experts, dim)}
+        shapes |= {f"l{i}.{k}": (experts, hidden, dim) for k in ("w1", "w3")}
+        shapes |= {f"l{i}.w2": (experts, dim, hidden)}
+    return shapes
+
+
+def matmul_ceiling(experts: int, hidden: int, dim: int, repeats: int = 5) -> float:
+    """GFLOP/s of bf16 matmul here (CPU time, like the steps): the best of a 2048² ``mm`` and the
+    batched products of an expert's NS iteration, (E, s, l) @ (E, l, s) and (E, s, s) @ (E, s,
+    l), with s, l the smaller and larger of h and d."""
+    s, big = min(hidden, dim), max(hidden, dim)
+    a = torch.randn(2048, 2048).bfloat16()
+    x = torch.randn(experts, s, big).bfloat16()
+    g = torch.randn(experts, s, s).bfloat16()
+    cases = [
+        (lambda: a @ a, 2 * 2048**3),
+        (lambda: x @ x.mT, 2 * experts * s * s * big),
+        (lambda: g @ x, 2 * experts * s * s * big),
+    ]
+    best = 0.0
+    for fn, flops in cases:
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+        best = max(best, flops / statistics.median(times) / 1e9)
+    return best
+
+
+def moe_side_by_side(args: argparse.Namespace) -> dict:
+    """Median step of batched / per-matrix / torch Muon on the MoE matrices, one process."""
+    torch.set_num_threads(args.threads)
+    shapes = moe_shapes(args.moe_layers, args.moe_dim, args.experts, args.expert_hidden)
+    gen = torch.Generator().manual_seed(0)
+    init = {n: torch.randn(s, generator=gen) * 0.02 for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, generator=gen) * 0.01 for n, s in shapes.items()} for _ in "ab"]
+    ours = {b: {n: torch.nn.Parameter(t.clone()) for n, t in init.items()} for b in (True, False)}
+    split = {  # torch's Muon: each expert its own 2-D parameter
+        n: [torch.nn.Parameter(m.clone()) for m in (t if t.dim() == 3 else [t])]
+        for n, t in init.items()
+    }
+    opts = {
+        "batched": Muon(list(ours[True].items()), **HYPER, batched_ns=True),
+        "per-matrix": Muon(list(ours[False].items()), **HYPER, batched_ns=False),
+        "torch": torch.optim.Muon([q for qs in split.values() for q in qs], **HYPER),
+    }
+
+    def prepare(name: str, k: int) -> None:
+        g = grads[k % 2]
+        if name == "torch":
+            for n, qs in split.items():
+                for q, gq in zip(qs, g[n] if g[n].dim() == 3 else [g[n]], strict=True):
+                    q.grad = gq.clone()
+        else:
+            for n, p in ours[name == "batched"].items():
+                p.grad = g[n].clone()
+
+    names = list(opts)
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    for k in range(args.rounds + 1):  # round 0 warms up
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            prepare(name, k)
+            t0 = time.process_time()
+            opts[name].step()
+            if k:
+                cpu[name].append(time.process_time() - t0)
+    flops = sum(
+        (s[0] if len(s) == 3 else 1) * ns_flops(*s[-2:], opts["batched"].defaults["ns_steps"])
+        for s in shapes.values()
+    )
+    med = {n: statistics.median(t) for n, t in cpu.items()}
+    return {
+        "shapes": {"layers": args.moe_layers, "dim": args.moe_dim, "experts": args.experts},
+        "expert_hidden": args.expert_hidden,
+        "threads": args.threads,
+        "matrices": sum(s[0] if len(s) == 3 else 1 for s in shapes.values()),
+        "ns_calls": {n: o.last_step_stats["ns_calls"] for n, o in opts.items() if n != "torch"},
+        "median_cpu_s": med,
+        "ns_gflops": {n: flops / t / 1e9 for n, t in med.items()},
+        "ceiling_gflops": matmul_ceiling(args.experts, args.expert_hidden, args.moe_dim),
+        "ratios": {f"batched_vs_{n}": med["batched"] / med[n] for n in med if n != "batched"},
+    }
+
+
+def print_moe(r: dict) -> None:
+    s = r["shapes"]
+    print(
+        f"MoE Muon step, one process, {r['threads']} thread(s): {s['layers']} layers, d={s['dim']},"
+        f" E={s['experts']} experts of hidden {r['expert_hidden']}, {r['matrices']} matrices; "
+        f"bf16 matmul ceiling {r['ceiling_gflops']:.0f} GFLOP/s"
+    )
+    print("| variant | median CPU ms | NS chains | NS GFLOP/s | % of ceiling | batched / variant |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for n, t in r["median_cpu_s"].items():
+        ratio = r["ratios"].get(f"batched_vs_{n}")
+        calls = r["ns_calls"].get(n, r["matrices"])
+        gf = r["ns_gflops"][n]
+        print(
+            f"| {n} | {1e3 * t:.1f} | {calls} | {gf:.1f} | {100 * gf / r['ceiling_gflops']:.0f} | "
+            f"{'' if ratio is None else f'{ratio:.2f}'} |"
+        )
+
+
+# ----------------------------------------------------------------------------- distributed
 def _ragged(layers, dim, policy, rank, world) -> dict[str, torch.nn.Parameter]:
     """RaggedTensor parameters. ``policy`` None: FSDP2's layout (each matrix split row-wise over
     all ranks, its own allocation); else one planned flat buffer per layer (as ``fully_shard``
@@ -255,15 +386,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    args = parser.parse_args()
+def run_worlds(args: argparse.Namespace) -> None:
     ctx = mp.get_context("spawn")
     results = []
     for world in args.worlds:
@@ -290,6 +413,29 @@ def main() -> None:
             print(f"{r['world']:>2}      fsdp2 failed: {r['fsdp2_error']}")
         summary["worlds"][r["world"]] = r | {"step_ratios": ratios}
     print(json.dumps(summary))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--part", choices=["moe", "worlds", "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dim", type=int, default=256, help="worlds: model width")
+    parser.add_argument("--layers", type=int, default=2, help="worlds: layers")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--moe-dim", type=int, default=256)
+    parser.add_argument("--moe-layers", type=int, default=2)
+    parser.add_argument("--experts", type=int, default=16)
+    parser.add_argument("--expert-hidden", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=1, help="moe: intra-op threads")
+    args = parser.parse_args()
+    if args.part in ("moe", "all"):
+        moe = moe_side_by_side(args)
+        print_moe(moe)
+        print(json.dumps({"moe": moe}))
+    if args.part in ("worlds", "all"):
+        run_worlds(args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,26 @@
-"""Shampoo step time at W = 1, 2, 4 (CPU, gloo) and the share spent in eigendecompositions.
+"""Shampoo step: batched vs per-block eigendecompositions side by side, against this machine's
+eigh and matmul ceilings; optionally the step at W = 1, 2, 4 (CPU, gloo).
 
-The parameters (4 layers of a small transformer: qkv 768x256, o 256x256, up 1024x256,
-down 256x1024, a norm) are sharded with ``Shampoo.shard_policy(B)``, so every block is whole on
-one rank: each rank preconditions its own blocks and no optimizer bytes move. Per world size
-and block size B it reports the median step time, the share of it inside ``torch.linalg.eigh``,
-eigendecompositions on rank 0, the max/mean eigendecomposition cost over ranks and the bytes
-communicated, as one JSON line and a table. On a 2-core machine W=4 oversubscribes the cores:
-the work per rank halves, the wall time is not a scaling result.
+The parameters are 4 layers of a small transformer (qkv 768x256, o 256x256, up 1024x256,
+down 256x1024, a norm), so block sizes repeat: at B = 128 every block is 128x128 (384
+eigendecompositions per step, one batched call); at B = 1024 the 768-, 256- and 1024-sided
+factors repeat across layers. Roots are recomputed every step (frequency 1).
 
-    python benchmarks/shampoo_step.py [--worlds 1 2 4] [--blocks 1024 128] [--steps 4]
+Part 1 (one process, one thread): ``Shampoo(batch_roots=True)`` and ``batch_roots=False`` (and
+``SOAP`` with its bases refreshed every step, for scale) step on the same gradients in one run,
+alternating A B A B; medians and the batched/per-block ratio. Nominal FLOPs per step (eigh
+counted 9n³, the textbook cost of a symmetric eigendecomposition with vectors; matmuls 2mnk)
+over the median step give the achieved rate, beside two ceilings measured in the same run: one
+eigh of each block size alone (9n³ / its time) and a 1024³ fp32 matmul. The share of the step
+inside ``torch.linalg.eigh`` says where the time goes.
+
+Part 2 (``--worlds``): the step at each world size with ``Shampoo.shard_policy(B)`` (every block
+whole on one rank, 0 bytes moved); on a 2-core machine W = 4 oversubscribes the cores.
+
+DistributedShampoo's own step is not measured: it is not on PyPI (installed from its
+repository, which this machine cannot reach) and needs Python >= 3.12.
+
+    python benchmarks/shampoo_step.py [--blocks 128 1024] [--repeats 5] [--worlds 1 2 4]
 """
 
 from __future__ import annotations
@@ -16,13 +28,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 SHAPES = {
     f"l{i}.{name}": shape
@@ -35,129 +46,240 @@ SHAPES = {
         ("norm", (256,)),
     )
 }
+EIGH_FLOPS = 9  # × n³ per symmetric eigendecomposition with eigenvectors (nominal)
 
 
-def _params(block: int, rank: int, world: int):
-    """RaggedTensor parameters on one planned flat shard, as ``fully_shard`` makes them."""
+def _blocks(block: int) -> list[tuple[int, int]]:
+    """Every block's (rows, cols) of the preconditioned parameters."""
+    out = []
+    for shape in SHAPES.values():
+        if len(shape) < 2:
+            continue
+        rows, cols = shape
+        for r0 in range(0, rows, block):
+            for c0 in range(0, cols, block):
+                out.append((min(block, rows - r0), min(block, cols - c0)))
+    return out
+
+
+def _nominal_flops(block: int) -> float:
+    """One Shampoo step with roots: factors, eigh + root per side, preconditioning."""
+    total = 0.0
+    for r, c in _blocks(block):
+        total += 2 * (2 * r * r * c + 2 * r * c * c)  # G Gᵀ, Gᵀ G; L⁻ᵖ F R⁻ᵖ
+        total += (EIGH_FLOPS + 2) * (r**3 + c**3)  # eigh and Q diag Qᵀ per side
+    return total
+
+
+def _eigh_flops(block: int) -> float:
+    return sum(EIGH_FLOPS * (r**3 + c**3) for r, c in _blocks(block))
+
+
+def _ceilings(block: int) -> dict[str, float]:
+    """GFLOP/s of one eigh per block side (alone) and of a 1024³ fp32 matmul."""
+    gen = torch.Generator().manual_seed(0)
+
+    def best(fn: Callable[[], object], repeats: int = 3) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    sides = sorted({n for rc in _blocks(block) for n in rc})
+    out = {}
+    for n in sides:
+        x = torch.randn(n, n + 8, generator=gen)
+        a = x @ x.T
+        out[f"eigh_{n}"] = EIGH_FLOPS * n**3 / best(lambda a=a: torch.linalg.eigh(a)) / 1e9
+    a, b = torch.randn(1024, 1024, generator=gen), torch.randn(1024, 1024, generator=gen)
+    out["matmul_1024"] = 2 * 1024**3 / best(lambda: a @ b) / 1e9
+    return out
+
+
+def _params(block: int, rank: int, world: int) -> dict[str, torch.nn.Parameter]:
+    """Plain parameters (W = 1) or RaggedTensors on a planned flat shard (W > 1)."""
     from raggedfsdp.optim import Shampoo
     from raggedfsdp.sharding import FlatBuffer, RaggedTensor, TensorSpec, plan_layout
 
     gen = torch.Generator().manual_seed(0)
     init = {n: torch.randn(s, generator=gen) for n, s in SHAPES.items()}
+    if world == 1:
+        return {n: torch.nn.Parameter(t) for n, t in init.items()}
     policy = Shampoo.shard_policy(max_preconditioner_dim=block)
     specs = [TensorSpec(n, s, "float32", max(1, policy(n, init[n]))) for n, s in SHAPES.items()]
     layout = plan_layout(specs, world)
-    params = FlatBuffer(layout, rank, torch.float32)
-    params.load_full_tensors(init)
-    group = dist.group.WORLD if dist.is_initialized() else None
+    flat = FlatBuffer(layout, rank, torch.float32)
+    flat.load_full_tensors(init)
     return {
-        n: torch.nn.Parameter(RaggedTensor(params.shard_view(n), layout.shards[n], rank, group))
+        n: torch.nn.Parameter(RaggedTensor(flat.shard_view(n), layout.shards[n], rank))
         for n in SHAPES
     }
 
 
-def _measure(block: int, steps: int) -> dict:
-    from raggedfsdp.optim import Shampoo
+def _set_grads(params: dict[str, torch.nn.Parameter], step: int) -> None:
     from raggedfsdp.sharding import RaggedTensor
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    params = _params(block, rank, world)
-    opt = Shampoo(list(params.items()), max_preconditioner_dim=block, epsilon=1e-6)
-    in_eigh = [0.0]
-    eigh = torch.linalg.eigh
+    gen = torch.Generator().manual_seed(step)
+    for n, p in params.items():
+        g = torch.randn(SHAPES[n], generator=gen)
+        if isinstance(p, RaggedTensor):
+            lo, hi = p.local_range
+            p.grad = RaggedTensor(g.reshape(-1)[lo:hi].contiguous(), p.ragged_shard, p.rank)
+        else:
+            p.grad = g
 
-    def timed_eigh(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return eigh(*args, **kwargs)
-        finally:
-            in_eigh[0] += time.perf_counter() - start
 
-    torch.linalg.eigh = timed_eigh
-    times, shares = [], []
-    try:
-        for step in range(steps):
-            gen = torch.Generator().manual_seed(step)
-            for n, p in params.items():
-                lo, hi = p.local_range
-                local = torch.randn(SHAPES[n], generator=gen).reshape(-1)[lo:hi].contiguous()
-                p.grad = RaggedTensor(local, p.ragged_shard, rank, p.group)
-            in_eigh[0] = 0.0
-            if world > 1:
-                dist.barrier()
+class _EighTimer:
+    """Seconds spent inside ``torch.linalg.eigh`` while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._eigh = torch.linalg.eigh
+
+    def __enter__(self) -> _EighTimer:
+        def timed(*args, **kwargs):
             start = time.perf_counter()
-            opt.step()
-            if world > 1:
-                dist.barrier()
-            elapsed = time.perf_counter() - start
-            if step:  # the first step allocates state
-                times.append(elapsed)
-                shares.append(in_eigh[0] / elapsed)
-    finally:
-        torch.linalg.eigh = eigh
-    stats = opt.last_step_stats
-    costs = torch.tensor([float(stats["eigh_cost"])])
-    if world > 1:
-        peak, total = costs.clone(), costs.clone()
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        dist.all_reduce(total)
-        balance = float(peak) / (float(total) / world)
-    else:
-        balance = 1.0
+            try:
+                return self._eigh(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        torch.linalg.eigh = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.linalg.eigh = self._eigh
+
+
+def side_by_side(block: int, repeats: int) -> dict:
+    """Part 1: batched vs per-block Shampoo (and SOAP) in one process, alternating."""
+    from raggedfsdp.optim import SOAP, Shampoo
+
+    runs = {
+        "batched": lambda p: Shampoo(p, max_preconditioner_dim=block, epsilon=1e-6),
+        "per_block": lambda p: Shampoo(
+            p, max_preconditioner_dim=block, epsilon=1e-6, batch_roots=False
+        ),
+        "soap": lambda p: SOAP(p, max_preconditioner_dim=block, precondition_frequency=1),
+    }
+    opts, params = {}, {}
+    for name, make in runs.items():
+        params[name] = _params(block, 0, 1)
+        opts[name] = make(list(params[name].items()))
+        for step in range(2):  # state, first roots / bases
+            _set_grads(params[name], step)
+            opts[name].step()
+    times = {name: [] for name in runs}
+    shares = {name: [] for name in runs}
+    for rep in range(repeats):
+        for name in runs:
+            _set_grads(params[name], 2 + rep)
+            with _EighTimer() as timer:
+                start = time.perf_counter()
+                opts[name].step()
+                elapsed = time.perf_counter() - start
+            times[name].append(elapsed)
+            shares[name].append(timer.seconds / elapsed)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    stats = opts["batched"].last_step_stats
     return {
-        "step_ms": 1e3 * statistics.median(times),
-        "eigh_share": statistics.median(shares),
-        "eigh_rank0": stats["eigendecompositions"],
-        "eigh_cost_max_over_mean": balance,
-        "bytes": stats["bytes_communicated"],
+        "step_ms": {name: 1e3 * t for name, t in med.items()},
+        "eigh_share": {name: statistics.median(s) for name, s in shares.items()},
+        "batched_over_per_block": med["batched"] / med["per_block"],
+        "eigendecompositions": stats["eigendecompositions"],
+        "eigh_batched": stats["eigh_batched"],
+        "gflops": _nominal_flops(block) / med["batched"] / 1e9,
+        "eigh_gflops": _eigh_flops(block)
+        / (med["batched"] * statistics.median(shares["batched"]))
+        / 1e9,
+        "ceilings_gflops": _ceilings(block),
     }
 
 
-def _worker(rank: int, world: int, port: int, blocks: list[int], steps: int, out) -> None:
+def _world_worker(rank: int, world: int, port: int, blocks: list[int], steps: int, out) -> None:
+    from raggedfsdp.optim import Shampoo
+
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    results = {b: _measure(b, steps) for b in blocks}
+    results = {}
+    for block in blocks:
+        params = _params(block, rank, world)
+        opt = Shampoo(list(params.items()), max_preconditioner_dim=block, epsilon=1e-6)
+        times = []
+        for step in range(steps):
+            _set_grads(params, step)
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            dist.barrier()
+            if step:
+                times.append(time.perf_counter() - start)
+        stats = opt.last_step_stats
+        results[block] = {
+            "step_ms": 1e3 * statistics.median(times),
+            "eigh_rank0": stats["eigendecompositions"],
+            "bytes": stats["bytes_communicated"],
+        }
     if rank == 0:
         out.put(results)
-    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
+    dist.barrier()
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[1024, 128])
-    parser.add_argument("--steps", type=int, default=4)
-    args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def world_sizes(worlds: list[int], blocks: list[int], steps: int) -> dict:
+    """Part 2: the step at each world size (one process per rank, one thread each)."""
+    import torch.multiprocessing as mp
+
+    from raggedfsdp.comm.launch import free_port
+
     rows = {}
     ctx = mp.get_context("spawn")
-    for world in args.worlds:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    for world in worlds:
         out = ctx.Queue()
         mp.start_processes(
-            _worker,
-            args=(world, port, args.blocks, args.steps, out),
+            _world_worker,
+            args=(world, free_port(), blocks, steps, out),
             nprocs=world,
             start_method="spawn",
         )
         rows[world] = out.get()
-    print(json.dumps({"benchmark": "shampoo_step", "results": rows}))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--worlds", type=int, nargs="*", default=[])
+    parser.add_argument("--steps", type=int, default=4, help="steps per world size (part 2)")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    part1 = {block: side_by_side(block, args.repeats) for block in args.blocks}
+    part2 = world_sizes(args.worlds, args.blocks, args.steps) if args.worlds else {}
+    print(json.dumps({"benchmark": "shampoo_step", "side_by_side": part1, "worlds": part2}))
     print(
-        f"{'B':>5} {'W':>3} {'step ms':>9} {'eigh share':>11} {'eigh rank0':>11} "
-        f"{'cost max/mean':>14} {'bytes':>6}"
+        f"{'B':>5} {'batched ms':>11} {'per-block ms':>13} {'ratio':>6} {'SOAP ms':>8} "
+        f"{'eigh share':>11} {'eighs':>6} {'GFLOP/s':>8} {'eigh GFLOP/s':>13}  ceilings GFLOP/s"
     )
-    for block in args.blocks:
-        for world in args.worlds:
-            r = rows[world][block]
+    for block, r in part1.items():
+        ms = r["step_ms"]
+        ceilings = ", ".join(f"{k} {v:.1f}" for k, v in r["ceilings_gflops"].items())
+        print(
+            f"{block:>5} {ms['batched']:11.1f} {ms['per_block']:13.1f} "
+            f"{r['batched_over_per_block']:6.2f} {ms['soap']:8.1f} "
+            f"{r['eigh_share']['batched']:11.2f} {r['eigendecompositions']:6d} "
+            f"{r['gflops']:8.2f} {r['eigh_gflops']:13.2f}  {ceilings}"
+        )
+    for world, per_block in part2.items():
+        for block, r in per_block.items():
             print(
-                f"{block:>5} {world:>3} {r['step_ms']:9.1f} {r['eigh_share']:11.2f} "
-                f"{r['eigh_rank0']:11d} {r['eigh_cost_max_over_mean']:14.2f} {r['bytes']:6d}"
+                f"W={world} B={block}: {r['step_ms']:.1f} ms, {r['eigh_rank0']} eighs on "
+                f"rank 0, {r['bytes']} bytes"
             )
 
 

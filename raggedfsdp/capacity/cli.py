@@ -2,12 +2,15 @@
 
 Errors in the input (unknown preset, malformed config or shapes file, impossible mesh, bad unit)
 are reported as one line naming the input and the fix, with exit status 2, like argparse's own.
+A reader that stops early (``raggedfsdp plan ... | head``) ends the run quietly, as it ends
+``cat``: status 141 (128 + SIGPIPE), no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -20,6 +23,8 @@ from raggedfsdp.capacity.report import render
 from raggedfsdp.capacity.settings import BACKENDS, Mesh, Precision, Settings
 
 __all__ = ["build_parser", "console_main", "main"]
+
+SIGPIPE_STATUS = 141  # 128 + SIGPIPE (13): a shell's status for a process a closed pipe ended
 
 EXAMPLES = """examples:
   python -m raggedfsdp.plan llama3-70b --world-size 1024
@@ -158,7 +163,27 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m raggedfsdp.plan") -> int:
-    """Run the planner; returns the exit status (0, or 2 for bad input)."""
+    """Run the planner; returns the exit status (0, 2 for bad input, 141 for a closed pipe)."""
+    try:
+        try:
+            return _plan(argv, prog)
+        finally:  # also after --help: a closed pipe fails here, not at the interpreter's exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed it early (``| head``): stop quietly, as ``cat`` would. stdout
+    now points at /dev/null, so the interpreter's final flush of what is still buffered
+    cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return SIGPIPE_STATUS
+
+
+def _plan(argv: Sequence[str] | None, prog: str) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:

@@ -312,7 +312,7 @@ def _notes(plans, settings: Settings) -> list[str]:
                 f"{p.group.name}: {p.empty_ranks:,} of {p.layout.world_size:,} ranks hold none "
                 "of its elements; smaller units or a smaller shard group (HSDP) spread it"
             )
-    if settings.optimizer.name in ("adamw8bit", "shampoo"):
+    if settings.optimizer.name in ("adamw8bit", "shampoo", "soap"):
         notes.append(
             f"units include {settings.optimizer.name}'s blocks (LCM with the unit policy), so "
             "its state math needs no communication"

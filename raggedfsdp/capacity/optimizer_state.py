@@ -12,6 +12,10 @@ start; both follow from the planned layout, the optimizer's settings and the blo
   parameter, and for tensors of 2+ dims the factors ``L``, ``R`` and their inverse roots of
   every slab whose first element the rank holds, stored ``(col_blocks, side, side)`` per slab
   (fp32, fp64 for fp64 parameters); vectors are grafted only and keep no factors;
+* SOAP (its defaults): the first moment like the parameter; for tensors of 2+ dims, per slab
+  the rank owns, the rotated second moment (``slab_rows × cols``) and the factors ``L``, ``R``
+  and their eigenbases (per-slab state in fp32, fp64 for fp64 parameters); vectors keep
+  Adam's two moments like the parameter;
 * one fp32 step counter per optimizer parameter group (Muon: its Muon and AdamW groups).
 """
 
@@ -25,7 +29,7 @@ import numpy as np
 from raggedfsdp.capacity.policies import OptimizerSpec
 from raggedfsdp.sharding.blocks import QuantBlocks, ShampooBlocks
 from raggedfsdp.sharding.planner import Layout, dtype_itemsize
-from raggedfsdp.sharding.units import is_muon_matrix, shampoo_blocked
+from raggedfsdp.sharding.units import is_muon_matrix, is_quantized, shampoo_blocked
 
 __all__ = ["counter_bytes", "state_per_rank"]
 
@@ -67,16 +71,29 @@ def _tensor_bytes(
     if opt.name == "muon":
         return itemsize * local if is_muon_matrix(name, shape) else adam
     if opt.name == "adamw8bit":
-        if math.prod(shape) < opt.min_8bit_size:
+        if not is_quantized(shape, opt.min_8bit_size):
             return adam
         blocks = QuantBlocks.of(shape, opt.block_size, opt.tile)
         return 2 * (local + 4 * blocks.count_unit * blocks.counts(lo, hi))
-    if opt.name == "shampoo" and shampoo_blocked(shape):
-        grid = ShampooBlocks.of(shape, opt.preconditioner_dim)
-        factor = 8 if dtype == "float64" else 4
-        per_slab = 2 * factor * (grid.factor_numel_per_slab("L") + grid.factor_numel_per_slab("R"))
-        return adam + per_slab * grid.slabs_starting_in(lo, hi)
+    if opt.name in ("shampoo", "soap") and shampoo_blocked(shape, opt.preconditioner_dim):
+        return _blocked_bytes(shape, lo, hi, opt, dtype)
     return adam
+
+
+def _blocked_bytes(
+    shape: tuple[int, ...], lo: np.ndarray, hi: np.ndarray, opt: OptimizerSpec, dtype: str
+) -> np.ndarray:
+    """Shampoo's or SOAP's state of one preconditioned tensor on the ranks holding
+    ``[lo, hi)``: per-element state like the parameter, per-slab state on the slabs' owners."""
+    grid = ShampooBlocks.of(shape, opt.preconditioner_dim)
+    factor = 8 if dtype == "float64" else 4
+    per_slab = 2 * (grid.factor_numel_per_slab("L") + grid.factor_numel_per_slab("R"))
+    per_element = 2  # Shampoo: filtered gradient and grafting second moment
+    if opt.name == "soap":
+        per_slab += grid.slab_numel  # the rotated second moment
+        per_element = 1  # the first moment
+    local = per_element * dtype_itemsize(dtype) * (hi - lo)
+    return local + factor * per_slab * grid.slabs_starting_in(lo, hi)
 
 
 def counter_bytes(opt: OptimizerSpec, names_and_shapes: Sequence[tuple[str, Sequence[int]]]) -> int:

@@ -33,7 +33,7 @@ from raggedfsdp.sharding.units import (
 __all__ = ["OPTIMIZERS", "UNIT_KINDS", "OptimizerSpec", "UnitPolicy", "is_expert"]
 
 UNIT_KINDS = ("elements", "rows", "expert", "matrix")
-OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo")
+OPTIMIZERS = ("adamw", "adamw8bit", "muon", "shampoo", "soap")
 
 _PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
 _FUSED_EXPERTS = re.compile(r"(^|\.)experts\.")
@@ -100,7 +100,7 @@ class UnitPolicy:
 class OptimizerSpec:
     """An optimizer and the settings that decide its units and state: ``block_size``, ``tile``
     and ``min_8bit_size`` (``AdamW8bit``), ``preconditioner_dim`` (``Shampoo``'s
-    ``max_preconditioner_dim``; Shampoo's other defaults, momentum 0 included), and
+    ``max_preconditioner_dim``, SOAP's too; their other defaults, momentum 0 included), and
     ``whole_matrices`` (``Muon``; its Newton–Schulz runs ``ns_steps`` iterations)."""
 
     name: str = "adamw"
@@ -128,7 +128,7 @@ class OptimizerSpec:
         """What ``<Optimizer>.shard_policy(...)`` returns for these settings."""
         if self.name == "adamw8bit":
             return adamw8bit_policy(self.block_size, self.tile, self.min_8bit_size)
-        if self.name == "shampoo":
+        if self.name in ("shampoo", "soap"):
             return shampoo_policy(self.preconditioner_dim)
         if self.name == "muon":
             return MuonShardPolicy(self.whole_matrices)
@@ -143,6 +143,7 @@ class OptimizerSpec:
             "muon": "Muon (momentum on hidden matrices; AdamW on embeddings, head, vectors; "
             f"whole matrices {whole})",
             "shampoo": f"Shampoo (blocks of {self.preconditioner_dim}, Adam grafting)",
+            "soap": f"SOAP (blocks of {self.preconditioner_dim}, Adam in Shampoo's eigenbasis)",
         }[self.name]
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import threading
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,21 +24,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils.hooks import RemovableHandle
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup, is_plain_embedding_weight
-from raggedfsdp.fsdp.state import (
-    STATE_ATTR,
-    FSDPState,
-    in_backward,
-    reduced_in_this_backward,
-    state_of,
-    unfinished_backward,
-)
+from raggedfsdp.fsdp.state import STATE_ATTR, FSDPState, state_of
+from raggedfsdp.fsdp.step_guard import install_step_guard, mark_replaced
 from raggedfsdp.sharding import DEFAULT_POLICY, RaggedTensor, ShardPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -302,7 +293,7 @@ def fully_shard(
         )
 
     group, forward_only = _form_groups(params, owner, build)
-    _install_step_guard()
+    install_step_guard()
     state = FSDPState(modules, group, reshard_after_forward, mp_policy, forward_only)
     for m in modules:
         setattr(m, STATE_ATTR, state)
@@ -319,7 +310,9 @@ def _form_groups(
 
     If a group fails to build, the modules get their original parameters back (the first group
     may already have put its sharded ones in place). Both the original and the sharded tensors
-    are marked with ``owner``, so a later call that meets them again says which call took them.
+    are marked with ``owner``, so a later call that meets them again says which call took them;
+    the originals are also marked as replaced, so an optimizer still holding them (built before
+    wrapping) is refused at its first step instead of updating tensors no module uses.
     """
     originals = [mp.original for mp in params]
     lookups = [mp for mp in params if is_plain_embedding_weight(mp)]
@@ -336,6 +329,8 @@ def _form_groups(
         raise
     for tensor in originals + [mp.sharded for mp in params]:
         tensor._raggedfsdp_owner = owner
+    for mp, original in zip(params, originals, strict=True):
+        mark_replaced(original, mp.fqn, owner)
     return main, forward_only
 
 
@@ -432,38 +427,3 @@ def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:
             'torch.device("meta") and to_empty() after wrapping), or build the mesh for '
             f"{param.device.type}"
         )
-
-
-def _refuse_step_during_backward(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not any(isinstance(p, RaggedTensor) for p in params):  # every optimizer in the process
-        return
-    name = type(optimizer).__name__
-    if in_backward():
-        if reduced_in_this_backward(params):
-            return  # optimizer in backward: a post-accumulate-grad hook of reduced parameters
-        raise RuntimeError(
-            f"{name}.step() was called before backward finished reducing gradients; call it "
-            "after loss.backward() returns, or from a post-accumulate-grad hook of the sharded "
-            "parameters, which runs once their gradients are reduced"
-        )
-    if unfinished_backward(params) is not None:
-        raise RuntimeError(
-            f"{name}.step(): the last backward through these parameters raised before it "
-            "finished reducing gradients, so their .grad is incomplete. Call reset_iter_state() "
-            "on the root module (or run the next forward, which does it) and redo the backward"
-        )
-
-
-_STEP_GUARD: list[RemovableHandle] = []  # the registered hook, once the first call made it
-_STEP_GUARD_LOCK = threading.Lock()
-
-
-def _install_step_guard() -> None:
-    """Register ``_refuse_step_during_backward`` as torch's global optimizer step pre-hook,
-    once. The first ``fully_shard`` does it rather than the import: the hook runs before every
-    torch optimizer's step in the process, which a program that only imports raggedfsdp (the
-    capacity planner, a checkpoint tool) should not pay for or see."""
-    with _STEP_GUARD_LOCK:
-        if not _STEP_GUARD:
-            _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_step_during_backward))

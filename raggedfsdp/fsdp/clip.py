@@ -6,8 +6,10 @@ identical on every rank and are added once, after the reduction. With HSDP the r
 identical sharded gradients, so only the shard group is reduced.
 
 ``torch.nn.utils.clip_grad_norm_`` works on RaggedTensor gradients too, through whole-tensor
-norms with one all-reduce per call; this one accumulates in fp32 whatever the gradients' dtype,
-so bf16 gradients lose nothing to per-tensor bf16 norms.
+norms with one all-reduce per call; this one accumulates in fp32 whatever the gradients' dtype
+(fp64 when a gradient is fp64, as torch would), so bf16 gradients lose nothing to per-tensor bf16
+norms. NaN and inf propagate as in torch on every backend (the inf-norm's MAX all-reduce
+carries a NaN flag), so ``error_if_nonfinite`` sees a NaN on any rank.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from raggedfsdp.comm.nan_safe import all_reduce_nan_safe
 from raggedfsdp.sharding import RaggedTensor
 
 __all__ = ["clip_grad_norm_"]
@@ -32,7 +35,9 @@ def clip_grad_norm_(
     """Scale gradients in place so their global ``norm_type``-norm is at most ``max_norm``.
 
     Works on ``fully_shard`` parameters (``RaggedTensor`` gradients), plain ones, or a mix;
-    returns the total norm (fp32) before clipping, the same on every rank.
+    returns the total norm before clipping, the same on every rank: fp32, or fp64 when a
+    gradient is fp64. With ``error_if_nonfinite``, a NaN or inf norm raises before any
+    gradient is touched.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -43,6 +48,7 @@ def clip_grad_norm_(
     if norm_type <= 0:
         raise ValueError(f"norm_type={norm_type} must be positive (or math.inf)")
     device = grads[0].device
+    accumulate = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     ragged_by_group: dict[object, list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
     for g in grads:
@@ -52,13 +58,12 @@ def clip_grad_norm_(
             plain.append(g)
     partials = []
     for group, locals_ in ragged_by_group.items():
-        part = _partial(locals_, norm_type, device)
+        part = _partial(locals_, norm_type, device, accumulate)
         if dist.is_initialized():
-            op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-            dist.all_reduce(part, op=op, group=group)
+            part = all_reduce_nan_safe(part, "max" if math.isinf(norm_type) else "sum", group)
         partials.append(part)
     if plain:
-        partials.append(_partial(plain, norm_type, device))
+        partials.append(_partial(plain, norm_type, device, accumulate))
     stacked = torch.stack(partials)
     total = stacked.max() if math.isinf(norm_type) else stacked.sum().pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -73,11 +78,13 @@ def clip_grad_norm_(
     return total
 
 
-def _partial(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """``max |g|`` or ``sum |g|^p`` over the given tensors, in fp32."""
-    flat = [t.reshape(-1).float() for t in tensors if t.numel()]
+def _partial(
+    tensors: list[torch.Tensor], norm_type: float, device: torch.device, accumulate: torch.dtype
+) -> torch.Tensor:
+    """``max |g|`` or ``sum |g|^p`` over the given tensors, in ``accumulate``."""
+    flat = [t.reshape(-1).to(accumulate) for t in tensors if t.numel()]
     if not flat:
-        return torch.zeros((), device=device)
+        return torch.zeros((), dtype=accumulate, device=device)
     if math.isinf(norm_type):
         return torch.stack([t.abs().max() for t in flat]).max()
     return torch.stack([t.abs().pow(norm_type).sum() for t in flat]).sum()

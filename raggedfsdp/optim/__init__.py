@@ -1,5 +1,5 @@
-"""Sharded optimizers: ``AdamW``, block-quantized ``AdamW8bit``, ``Muon`` and
-blocked ``Shampoo``.
+"""Sharded optimizers: ``AdamW``, block-quantized ``AdamW8bit``, ``Muon``, blocked ``Shampoo``
+and ``SOAP``.
 
 Each works unchanged in three modes: one process (torch's behaviour), drop-in ZeRO-2 over plain
 replicated parameters under a process group, and FSDP over ``RaggedTensor`` parameters. Each
@@ -12,8 +12,10 @@ from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.contract import StateBytes, StateSpec
 from raggedfsdp.optim.muon import Muon, split_muon_params
 from raggedfsdp.optim.shampoo import Shampoo
+from raggedfsdp.optim.soap import SOAP
 
 __all__ = [
+    "SOAP",
     "AdamW",
     "AdamW8bit",
     "Muon",

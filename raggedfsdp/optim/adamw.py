@@ -23,24 +23,64 @@ from raggedfsdp.optim.contract import Piece, StateSpec
 from raggedfsdp.optim.pieces import merge_runs, scalar_dtype, unwrap
 from raggedfsdp.sharding import ShardPolicy, element_units
 
-__all__ = ["AdamW", "adamw_update", "check_adam_args"]
+__all__ = ["AdamW", "adamw_update", "check_adam_args", "check_betas"]
 
 
-def check_adam_args(lr: Any, betas: Any, eps: float, weight_decay: float) -> None:
-    """torch's argument checks for Adam-type optimizers."""
-    if isinstance(lr, Tensor) and lr.numel() != 1:
-        raise ValueError("Tensor lr must be 1-element")
+def check_adam_args(
+    lr: Any,
+    betas: Any,
+    eps: float,
+    weight_decay: float,
+    *,
+    foreach: bool | None = None,
+    capturable: bool = False,
+) -> None:
+    """``torch.optim.Adam``'s argument checks, with its messages, so code written against
+    torch's errors sees ours: a tensor ``lr`` or tensor betas with ``foreach=True`` need
+    ``capturable=True`` (the foreach kernels read them on the host), betas are both floats or
+    both tensors (the kernels take one kind), and each value is in range."""
+    if isinstance(lr, Tensor):
+        if foreach and not capturable:
+            raise ValueError(
+                "lr as a Tensor is not supported for capturable=False and foreach=True: pass "
+                "a float, or capturable=True"
+            )
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
     if not lr >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not eps >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
-    for i, beta in enumerate(betas):
-        if isinstance(beta, Tensor) and beta.numel() != 1:
-            raise ValueError(f"Tensor betas[{i}] must be 1-element")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    check_betas(betas, "betas", foreach=foreach, capturable=capturable)
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_betas(
+    betas: Any, name: str, *, foreach: bool | None = None, capturable: bool = False
+) -> None:
+    """torch's rules for Adam's ``(beta1, beta2)``, for the argument called ``name`` (Muon's
+    AdamW groups take them as ``adamw_betas``)."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{name}={betas!r}: expected two coefficients (beta1, beta2)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, Tensor) and beta.numel() != 1:
+            raise ValueError(f"Tensor {name}[{i}] must be 1-element")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta}")
+    floats = all(isinstance(b, float) for b in betas)
+    tensors = all(isinstance(b, Tensor) for b in betas)
+    if not (floats or tensors):
+        raise ValueError(
+            f"{name} must be either both floats or both Tensors, got "
+            f"({type(betas[0]).__name__}, {type(betas[1]).__name__}): pass e.g. "
+            f"{name}=(0.9, 0.999) or {name}=(torch.tensor(0.9), torch.tensor(0.999))"
+        )
+    if tensors and foreach and not capturable:
+        raise ValueError(
+            f"{name}[0] as a Tensor is not supported for capturable=False and foreach=True: "
+            "pass floats, or capturable=True"
+        )
 
 
 def adamw_update(
@@ -127,7 +167,7 @@ class AdamW(ShardedOptimizer):
         fused: bool | None = None,
         mesh: MeshLike = None,
     ) -> None:
-        check_adam_args(lr, betas, eps, weight_decay)
+        check_adam_args(lr, betas, eps, weight_decay, foreach=foreach, capturable=capturable)
         if differentiable:
             raise NotImplementedError(
                 "differentiable=True is not supported by raggedfsdp.optim.AdamW (its state is "
@@ -135,10 +175,6 @@ class AdamW(ShardedOptimizer):
             )
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        if isinstance(lr, Tensor) and foreach and not capturable:
-            raise ValueError(
-                "lr as a Tensor is not supported for capturable=False and foreach=True"
-            )
         betas = tuple(b.reshape(()) if isinstance(b, Tensor) else b for b in betas)
         defaults = {
             "lr": lr,

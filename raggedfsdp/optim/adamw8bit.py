@@ -9,6 +9,13 @@ whether a parameter is quantized depends on its global size only. Shards are cut
 boundaries (``shard_policy``), so each rank quantizes whole blocks of its own and the results are
 the same bits at every world size.
 
+``fused=True`` runs the step compiled (``torch.compile``, as torchao does): one loop nest per
+region of blocks that reads the codes, gradient and parameter once and writes them once, instead
+of about fifty eager passes (:func:`adamw8bit_blocks_`, the same math, region by region). The
+state format, the blocks and the world-size invariance are the same; the bits differ from the
+eager step by an ulp where inductor and eager round differently (eager ``lerp`` is an FMA, eager
+``sqrt`` on CPU is MKL's, not correctly rounded), see ``docs/optimizers.md``.
+
 State per quantized parameter: ``<moment>_codes`` (uint8, the parameter's shape and split) and
 ``<moment>_absmax`` (fp32, one per block: shape ``(num_blocks,)`` or the tile grid, split with
 the blocks), both indexed by global position, so DCP reshards them like any tensor. Parameters
@@ -28,14 +35,22 @@ from torch import Tensor
 from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.adamw import check_adam_args
 from raggedfsdp.optim.base import ShardedOptimizer
+from raggedfsdp.optim.compiled import CompiledRegions, use_compiled
 from raggedfsdp.optim.contract import Piece, StateSpec, check_unit_alignment
 from raggedfsdp.optim.pieces import flat, merge_runs, unwrap
-from raggedfsdp.optim.quant import BlockGrid, QuantMap, dequantize_, quantize_
+from raggedfsdp.optim.quant import (
+    BlockGrid,
+    QuantMap,
+    dequantize_,
+    dequantize_blocks,
+    quantize_,
+    quantize_blocks_,
+)
 from raggedfsdp.sharding import RaggedShard, ShardPolicy
 from raggedfsdp.sharding.blocks import QuantBlocks
-from raggedfsdp.sharding.units import adamw8bit_policy, quantized_unit
+from raggedfsdp.sharding.units import adamw8bit_policy, is_quantized, quantized_unit
 
-__all__ = ["AdamW8bit", "adamw8bit_update_", "adamw_fp32"]
+__all__ = ["AdamW8bit", "adamw8bit_blocks_", "adamw8bit_update_", "adamw_fp32"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 _SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
@@ -122,6 +137,37 @@ def adamw8bit_update_(
     p.copy_(new_p)
 
 
+def adamw8bit_blocks_(p: Tensor, g: Tensor, moments: Sequence[_Quantized], h: _Hyper) -> None:
+    """The same step for one region of whole blocks: ``p``, ``g`` and each moment's ``codes``
+    viewed as ``(block rows, tile rows, block cols, tile cols)``, its ``absmax`` as ``(block
+    rows, 1, block cols, 1)``. Every block is updated on its own, so the result does not depend
+    on how a piece is cut into regions; this is the function the fused step compiles."""
+    states = [dequantize_blocks(m.codes, m.absmax, m.qmap) for m in moments]
+    new_p, new_states = adamw_fp32(p, g, states, h)
+    for m, new in zip(moments, new_states, strict=True):
+        quantize_blocks_(new, m.codes, m.absmax, m.qmap)
+    p.copy_(new_p)
+
+
+_COMPILED = CompiledRegions(adamw8bit_blocks_)
+
+
+def fused_update_(
+    p: Tensor, g: Tensor, moments: Sequence[_Quantized], grid: BlockGrid, h: _Hyper
+) -> None:
+    """``adamw8bit_update_`` compiled: ``adamw8bit_blocks_`` on each region of ``grid`` (a
+    piece has one to four: whole tiles, then partial edges), with sizes symbolic so regions of
+    every size share the graphs."""
+    for region in grid.regions():
+        views = [
+            _Quantized(grid.blocks(m.codes, *region), grid.scales(m.absmax, *region), m.qmap)
+            for m in moments
+        ]
+        p4, g4 = grid.blocks(p, *region), grid.blocks(g, *region)
+        sized = [p4, g4, *(t for v in views for t in (v.codes, v.absmax))]
+        _COMPILED(p4, g4, views, h, dynamic=sized)
+
+
 def adamw_full_(p: Tensor, g: Tensor, states: Sequence[Tensor], h: _Hyper) -> None:
     """The same step for moments kept in full precision (parameters below ``min_8bit_size``),
     any shape as long as all agree."""
@@ -154,6 +200,12 @@ class AdamW8bit(ShardedOptimizer):
         min_8bit_size: parameters with fewer elements keep full-precision state (4096, like
             bitsandbytes and torchao). Unlike torchao, larger parameters whose size is not a
             multiple of the block are quantized too, with a shorter last block (as bitsandbytes).
+        fused: run the step compiled (``torch.compile``: one pass over the state instead of
+            about fifty): True, False (eager, the op-by-op reference, bitwise torchao's eager
+            step), or None for the device's default: compiled on CUDA / XPU where triton can
+            build kernels, eager on CPU (compiling needs a C++ compiler and tens of seconds per
+            graph there; pass True for long CPU runs). True raises at construction, with the
+            fix, where kernels cannot be built. Either way the state is the same format.
         mesh: ranks for the drop-in mode (see ``raggedfsdp.optim.AdamW``).
     """
 
@@ -172,6 +224,7 @@ class AdamW8bit(ShardedOptimizer):
         block_size: int = 256,
         tile: tuple[int, int] | None = None,
         min_8bit_size: int = 4096,
+        fused: bool | None = None,
         mesh: MeshLike = None,
     ) -> None:
         check_adam_args(lr, betas, eps, weight_decay)
@@ -184,6 +237,10 @@ class AdamW8bit(ShardedOptimizer):
         self.block_size = block_size
         self.tile = tuple(tile) if tile is not None else None
         self.min_8bit_size = min_8bit_size
+        if fused not in (None, True, False):
+            raise ValueError(f"fused={fused!r} must be True, False or None (per device)")
+        self.fused = fused
+        self._compiled_on: dict[torch.device, bool] = {}
         self._blocks: dict[Piece, _Blocks] = {}
         defaults = {
             "lr": lr,
@@ -194,6 +251,8 @@ class AdamW8bit(ShardedOptimizer):
             "maximize": maximize,
         }
         super().__init__(params, defaults, mesh=mesh)
+        for pc in self._pieces.values():  # fused=True: fail now, not at the first step
+            self._compiled(pc.local().device)
 
     # ----------------------------------------------------------------------------- sharding rule
     @classmethod
@@ -212,7 +271,7 @@ class AdamW8bit(ShardedOptimizer):
         return self.shard_policy(self.block_size, self.tile, self.min_8bit_size)
 
     def _quantized(self, piece: Piece) -> bool:
-        return piece.param.numel() >= self.min_8bit_size
+        return is_quantized(piece.param.shape, self.min_8bit_size)
 
     def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
         if not self._quantized(piece):
@@ -269,6 +328,12 @@ class AdamW8bit(ShardedOptimizer):
         return torch.tensor(0.0, dtype=torch.float32)
 
     # ----------------------------------------------------------------------------- update
+    def _compiled(self, device: torch.device) -> bool:
+        """Whether this optimizer's step runs compiled on ``device`` (decided once per device)."""
+        if device not in self._compiled_on:
+            self._compiled_on[device] = use_compiled(self.fused, device)
+        return self._compiled_on[device]
+
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
         h = _Hyper.of(group, step)
         moments = self._moments(group)
@@ -291,6 +356,7 @@ class AdamW8bit(ShardedOptimizer):
                 )
                 for m in moments
             ]
-            adamw8bit_update_(p, pc.local_grad().reshape(-1), stored, grid, h)
+            update_ = fused_update_ if self._compiled(p.device) else adamw8bit_update_
+            update_(p, pc.local_grad().reshape(-1), stored, grid, h)
         for p, g, *states in merge_runs(full) + full_single:
             adamw_full_(p, g, states, h)

@@ -105,11 +105,18 @@ class ShardedOptimizer(ShardedState, Optimizer):
             label = repr(entry[0]) if isinstance(entry, tuple) else f"param_groups[{index}][{i}]"
             if isinstance(p, Tensor) and p in seen:
                 gi, j = seen[p]
+                # torch's words first (it warns within a group; a sharded step would update
+                # the parameter twice, so here both are errors)
+                kind = (
+                    "some parameters appear in more than one parameter group"
+                    if gi < index
+                    else "a parameter group with duplicate parameters"
+                )
                 where = repr(self._name(gi, j)) if gi < index else f"position {j}"
                 raise ValueError(
-                    f"parameter {label} (shape {tuple(p.shape)}) is already in param group {gi} "
-                    f"(as {where}); a parameter may appear in only one group, once. Remove it "
-                    "from one of them (e.g. split decay / no-decay by name)"
+                    f"{kind}: parameter {label} (shape {tuple(p.shape)}) is already in param "
+                    f"group {gi} (as {where}); a parameter may appear in only one group, once. "
+                    "Remove it from one of them (e.g. split decay / no-decay by name)"
                 )
             if isinstance(p, Tensor):
                 seen[p] = (index, i)

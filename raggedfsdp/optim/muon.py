@@ -11,8 +11,17 @@ owner-compute job (``raggedfsdp.sharding.owners``): a matrix that lies whole on 
 orthogonalised there with no communication; the others are balanced over ranks by NS cost, their
 pieces travel to the owner already cast to the NS dtype (bf16: half the bytes of fp32; the cast is
 element-wise, so nothing changes bitwise), and the bf16 update comes back the same way. The
-forward exchange runs while the rank orthogonalises its communication-free matrices. So every
-mode is bitwise equal to torch's Muon on the full parameters with the same gradients.
+forward exchange runs while the rank runs its AdamW groups and orthogonalises its
+communication-free matrices. So every mode is bitwise equal to torch's Muon on the full
+parameters with the same gradients.
+
+Matrices of one shape on one owner (stacked experts, the same projection in every layer) go
+through Newton–Schulz together: one ``bmm`` / ``baddbmm`` chain over the stack instead of one
+small ``mm`` chain each (``newton_schulz`` takes a stack). On CPU the batched chain gives the
+same bits as the per-matrix one in bf16 and fp32 when the matrices' smaller side exceeds
+``BATCH_MIN_SIDE`` (tested), so results stay torch's and the same at every world size; smaller
+matrices and float64 NS (accuracy runs) keep one chain each; ``batched_ns=False`` keeps one
+chain per matrix everywhere.
 
 Parameter groups with ``use_muon=False`` (embeddings, head, norms, biases; see
 ``split_muon_params``) get torch's AdamW instead (:func:`~raggedfsdp.optim.adamw.adamw_update`),
@@ -30,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.adamw import adamw_update, check_adam_args
+from raggedfsdp.optim.adamw import adamw_update, check_betas
 from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
 from raggedfsdp.optim.owner_compute import ExchangePlan
@@ -52,6 +61,22 @@ __all__ = [
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+#: Most elements one batched Newton–Schulz call takes: a batch's temporaries (Gram matrices,
+#: updates) grow with it, so larger stacks of one shape are cut into several calls. On CPU a
+#: batch that fits in L2 (2**18 bf16 elements: 512 KB) is fastest: a larger one streams every
+#: matrix through memory once per matmul (measured: 256 x 256 experts 1.20x the per-matrix
+#: chain in one batch of 56, 0.87x in batches of 4; small experts gain either way).
+NS_BATCH_ELEMENTS = {"cpu": 1 << 18}
+NS_BATCH_ELEMENTS_DEFAULT = 1 << 26
+#: Matrices whose smaller side is at most this run one chain each. On CPU, torch multiplies a
+#: bf16 product of at most 16**3 multiply-adds with its own GEMM but a batch of them with
+#: oneDNN, and the two round differently at near-ties (about 0.4 % of 16 x 16 matrices differ,
+#: by up to 3 bf16 ulps): batching them would make the bits depend on how many matrices an owner
+#: holds, i.e. on the world size. Above it both run oneDNN and agree bitwise.
+BATCH_MIN_SIDE = 16
+#: NS dtypes that batch. MKL's batched float64 GEMM rounds some sizes (17, 33, ...) unlike its
+#: one-matrix GEMM, and float64 NS is for accuracy checks, where speed does not matter.
+BATCHED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 # ----------------------------------------------------------------------------- the math
@@ -64,20 +89,30 @@ def muon_momentum_(buf: Tensor, grad: Tensor, momentum: float, nesterov: bool) -
 
 def newton_schulz(x: Tensor, coefficients: Sequence[float], steps: int, eps: float) -> Tensor:
     """Orthogonalise ``x`` (m, n), already in the NS dtype, with torch's exact op sequence;
-    ``x`` is overwritten. Transposing wide-first keeps the Gram matrix min(m, n) square."""
+    ``x`` is overwritten. Transposing wide-first keeps the Gram matrix min(m, n) square.
+
+    ``x`` may also be a stack ``(B, m, n)`` of same-shape matrices, each orthogonalised on its
+    own by the same sequence batched (a norm per matrix, ``baddbmm`` for ``addmm``): one kernel
+    per operation for the whole stack, which is where many small matrices gain.
+    """
     a, b, c = coefficients
-    tall = x.size(0) > x.size(1)
+    tall = x.size(-2) > x.size(-1)
     if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
+        x = x.mT
+    if x.dim() == 2:
+        x.div_(x.norm().clamp(min=eps))
+        mul_add = torch.addmm
+    else:
+        x.div_(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        mul_add = torch.baddbmm
     for _ in range(steps):
-        gram = x @ x.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, update, x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        update = mul_add(gram, gram, gram, beta=b, alpha=c)
+        x = mul_add(x, update, x, beta=a)
+    return x.mT if tall else x
 
 
-def adjust_lr(lr: float, adjust_lr_fn: str | None, m: int, n: int) -> float:
+def adjust_lr(lr: float | Tensor, adjust_lr_fn: str | None, m: int, n: int) -> float | Tensor:
     """torch's ``_adjust_lr`` for an m×n matrix (one expert's for stacked experts)."""
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, m / n))
@@ -89,7 +124,11 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, m: int, n: int) -> float:
 
 
 def muon_apply_(
-    param: Tensor, update: Tensor, lr: float, weight_decay: float, adjusted_lr: float
+    param: Tensor,
+    update: Tensor,
+    lr: float | Tensor,
+    weight_decay: float,
+    adjusted_lr: float | Tensor,
 ) -> None:
     """Decoupled weight decay, then the orthogonalised step scaled by ``adjusted_lr``; in
     place and element-wise, so it runs on any piece."""
@@ -102,7 +141,7 @@ def muon_update(
     grad: Tensor,
     momentum_buffer: Tensor,
     *,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float,
     momentum: float,
     nesterov: bool,
@@ -144,6 +183,37 @@ def split_muon_params(model: nn.Module, **adamw_options: Any) -> list[dict[str, 
 
 
 # ----------------------------------------------------------------------------- the optimizer
+def check_muon_args(
+    lr: Any,
+    momentum: float,
+    weight_decay: float,
+    adjust_lr_fn: str | None,
+    ns_steps: int,
+    ns_coefficients: Sequence[float],
+) -> None:
+    """``torch.optim.Muon``'s argument checks, with its messages (so code written against
+    torch's errors sees ours), plus the bounds of the Newton–Schulz loop, which torch leaves
+    unchecked."""
+    if isinstance(lr, Tensor) and lr.numel() != 1:
+        raise ValueError("Tensor lr must be 1-element")
+    if not lr >= 0.0:
+        raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
+    if not momentum >= 0.0:
+        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"Adjust learning rate function {adjust_lr_fn} is not supported "
+            f"(adjust_lr_fn={adjust_lr_fn!r}); use None, 'original' or 'match_rms_adamw'"
+        )
+    if not 0 <= ns_steps < 100 or len(ns_coefficients) != 3:
+        raise ValueError(
+            f"ns_steps={ns_steps!r}, ns_coefficients={ns_coefficients!r}: ns_steps must be in "
+            "[0, 100) and ns_coefficients 3 numbers (a, b, c)"
+        )
+
+
 class Muon(ShardedOptimizer):
     """``torch.optim.Muon`` with sharded state and owner-computed Newton–Schulz, plus AdamW for
     ``use_muon=False`` groups.
@@ -158,6 +228,9 @@ class Muon(ShardedOptimizer):
             (``adamw_lr=None``: the group's ``lr``).
         ns_dtype: dtype of the NS iterations and of the pieces exchanged (torch: bf16); float32
             or float64 for accuracy tests.
+        batched_ns: orthogonalise the matrices of one shape that an owner holds in one batched
+            chain (default; matrices with a side of at most ``BATCH_MIN_SIDE`` and float64 NS
+            excepted, see ``BATCHED_DTYPES``); False runs one chain per matrix.
         whole_matrices: the drop-in buffers' units (see ``MuonShardPolicy``).
         mesh: ranks for the drop-in mode.
 
@@ -165,7 +238,12 @@ class Muon(ShardedOptimizer):
     ``bytes_received`` (other ranks only, both exchanges), ``ns_flops`` (this rank's),
     ``ns_flops_max`` / ``ns_flops_mean`` over ranks (from the deterministic plan, no
     communication), ``matrices``, ``matrices_local`` (computed where they lie, no communication,
-    over all ranks) and ``ns_run`` (names of the matrices this rank orthogonalised).
+    over all ranks), ``ns_run`` (names of the matrices this rank orthogonalised) and
+    ``ns_calls`` (this rank's Newton–Schulz chains: one per batch of same-shape matrices).
+
+    While an owner exchange is in flight, the ``use_muon=False`` groups that have not stepped
+    yet run their AdamW update (groups listed after the Muon groups, as ``split_muon_params``
+    orders them), so the exchange hides behind that work.
 
     Non-finite gradients are not checked (as in torch): a NaN/inf in a matrix's gradient turns
     that matrix's update (and momentum) into NaN; other matrices are unaffected.
@@ -189,12 +267,14 @@ class Muon(ShardedOptimizer):
         adamw_eps: float = 1e-8,
         adamw_lr: float | None = None,
         ns_dtype: torch.dtype = torch.bfloat16,
+        batched_ns: bool = True,
         whole_matrices: WholeMatrices = "auto",
         mesh: MeshLike = None,
     ) -> None:
-        if not momentum >= 0.0:
-            raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-        check_adam_args(lr, adamw_betas, adamw_eps, weight_decay)
+        check_muon_args(lr, momentum, weight_decay, adjust_lr_fn, ns_steps, ns_coefficients)
+        check_betas(adamw_betas, "adamw_betas")
+        if not adamw_eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {adamw_eps} (adamw_eps)")
         defaults = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -210,7 +290,11 @@ class Muon(ShardedOptimizer):
             "adamw_lr": adamw_lr,
         }
         self.ns_dtype = ns_dtype
+        self.batched_ns = batched_ns
         self.whole_matrices = whole_matrices
+        self._adamw_early: set[int] = set()  # AdamW groups (ids) stepped during an exchange
+        self._adamw_started: set[int] = set()  # and those the runtime stepped in its turn
+        self._has_grad: dict[Piece, bool] = {}
         self._plans: dict[tuple[int, ...], _GroupPlan] = {}
         self.last_step_stats: dict[str, Any] = {}
         super().__init__(params, defaults, mesh=mesh)
@@ -238,18 +322,13 @@ class Muon(ShardedOptimizer):
 
     # ----------------------------------------------------------------------------- state
     def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
-        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
-            raise ValueError(
-                f"adjust_lr_fn={group['adjust_lr_fn']!r} is not supported; use None, 'original' "
-                "or 'match_rms_adamw'"
-            )
-        if not 0 <= group["ns_steps"] < 100 or len(group["ns_coefficients"]) != 3:
-            raise ValueError("ns_steps must be in [0, 100) and ns_coefficients 3 numbers")
+        options = ("lr", "momentum", "weight_decay", "adjust_lr_fn", "ns_steps", "ns_coefficients")
+        check_muon_args(*(group[key] for key in options))  # a group may override the defaults
         shape = tuple(piece.param.shape)
         if group["use_muon"] and len(shape) not in (2, 3):
             raise ValueError(
-                f"parameter {piece.name!r} has shape {shape}: Muon orthogonalises 2-D matrices "
-                "(or stacked (E, m, n) experts, one matrix per expert). Put it in a "
+                "Muon only supports 2D parameters (and stacked (E, m, n) experts, one matrix "
+                f"per expert): parameter {piece.name!r} has shape {shape}. Put it in a "
                 "use_muon=False group (AdamW); split_muon_params(model) does that"
             )
 
@@ -271,7 +350,9 @@ class Muon(ShardedOptimizer):
             "matrices": 0,
             "matrices_local": 0,
             "ns_run": [],
+            "ns_calls": 0,
         }
+        self._adamw_early, self._adamw_started = set(), set()
         loss = super().step(closure)
         stats = self._stats
         loads = [sum(x) for x in zip(*stats.pop("ns_loads"), strict=True)] or [0.0]
@@ -280,9 +361,17 @@ class Muon(ShardedOptimizer):
         self.last_step_stats = stats
         return loss
 
+    def _gradient_flags(self) -> dict[Piece, bool]:
+        """The runtime's flags, kept so that AdamW groups can step early
+        (``_step_adamw_groups``)."""
+        self._has_grad = super()._gradient_flags()
+        return self._has_grad
+
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
         if not group["use_muon"]:
-            adamw_update(_adamw_group(group), pieces, self.state, step)
+            if id(group) not in self._adamw_early:  # else it ran during an exchange
+                self._adamw_started.add(id(group))
+                adamw_update(_adamw_group(group), pieces, self.state, step)
             return
         by_group: dict[int, list[Piece]] = {}
         for pc in pieces:
@@ -303,7 +392,9 @@ class Muon(ShardedOptimizer):
             update = muon_momentum_(buf, pc.local_grad(), group["momentum"], group["nesterov"])
             updates[pc] = update.to(self.ns_dtype, copy=True).reshape(-1)
         self._orthogonalise(plan, updates, group)
-        lr = float(group["lr"])
+        lr = group["lr"]  # a tensor lr stays one: torch computes the decay factor with it
+        if isinstance(lr, Tensor):
+            lr = lr.reshape(())
         for pc in pieces:
             local = pc.local()
             adjusted = adjust_lr(lr, group["adjust_lr_fn"], *pc.param.shape[-2:])
@@ -314,8 +405,8 @@ class Muon(ShardedOptimizer):
         self, plan: _GroupPlan, updates: dict[Piece, Tensor], group: dict[str, Any]
     ) -> None:
         """Every matrix of ``updates`` to its owner, ``newton_schulz`` there, the result back
-        into ``updates``. The matrices held whole here are orthogonalised while the others
-        travel."""
+        into ``updates``. While the others travel, the AdamW groups step and the matrices held
+        whole here are orthogonalised."""
         ex = plan.exchange
         ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
 
@@ -323,22 +414,61 @@ class Muon(ShardedOptimizer):
             mat = plan.matrices[j]
             return updates[mat.piece][mat.lo : mat.hi]
 
-        def orthogonalise(j: int, flat: Tensor) -> None:
-            mat = plan.matrices[j]
-            flat.view(mat.shape).copy_(newton_schulz(flat.view(mat.shape), *ns))
-            self._stats["ns_run"].append(mat.name)
-
         like = next(iter(updates.values()))
         finish = ex.start_to_owners(mine, like, plan.group) if plan.moved else None
-        for j in ex.local_jobs:
-            orthogonalise(j, mine(j))
+        if finish is not None:
+            self._step_adamw_groups()
+        self._newton_schulz(plan, [(j, mine(j)) for j in ex.local_jobs], ns)
         if finish is None:
             return
         whole, owned = finish()
-        for j, flat in zip(ex.owned_jobs, owned, strict=True):
-            orthogonalise(j, flat)
+        self._newton_schulz(plan, list(zip(ex.owned_jobs, owned, strict=True)), ns)
         for j, piece in ex.to_holders(whole, plan.group).items():
             mine(j).copy_(piece)
+
+    def _newton_schulz(
+        self, plan: _GroupPlan, jobs: list[tuple[int, Tensor]], ns: tuple[Any, ...]
+    ) -> None:
+        """``newton_schulz`` on each job's flat matrix, in place: one batched chain per shape
+        (in batches of at most ``NS_BATCH_ELEMENTS`` for the device) or one chain per matrix (with
+        ``batched_ns=False``, a side of at most ``BATCH_MIN_SIDE``, or float64 NS)."""
+        by_shape: dict[tuple[int, int], list[Tensor]] = {}
+        for j, flat in jobs:
+            mat = plan.matrices[j]
+            by_shape.setdefault(mat.shape, []).append(flat.view(mat.shape))
+            self._stats["ns_run"].append(mat.name)
+        for shape, mats in by_shape.items():
+            device = mats[0].device.type
+            cap = NS_BATCH_ELEMENTS.get(device, NS_BATCH_ELEMENTS_DEFAULT)
+            batched = (
+                self.batched_ns and self.ns_dtype in BATCHED_DTYPES and min(shape) > BATCH_MIN_SIDE
+            )
+            size = max(1, cap // math.prod(shape)) if batched else 1
+            for i in range(0, len(mats), size):
+                batch = mats[i : i + size]
+                if len(batch) == 1:
+                    batch[0].copy_(newton_schulz(batch[0], *ns))
+                else:
+                    for mat, out in zip(batch, newton_schulz(torch.stack(batch), *ns), strict=True):
+                        mat.copy_(out)
+                self._stats["ns_calls"] += 1
+
+    def _step_adamw_groups(self) -> None:
+        """Step the AdamW groups that have not stepped yet, as the runtime would (its gradient
+        flags, allocation and shared step counters), so that they run while an exchange is in
+        flight; the runtime's own calls for them later do nothing (``_update``)."""
+        for group in self.param_groups:
+            gid = id(group)
+            if group["use_muon"] or gid in self._adamw_early or gid in self._adamw_started:
+                continue
+            self._adamw_early.add(gid)
+            pieces = [self._pieces[p] for p in group["params"]]
+            stepping = [pc for pc in pieces if self._has_grad.get(pc)]
+            if not stepping:
+                continue
+            self._allocate([pc for pc in stepping if pc.param not in self.state])
+            for step, members in self._lockstep(pieces, stepping):
+                adamw_update(_adamw_group(group), members, self.state, step)
 
     def _count(self, plan: _GroupPlan) -> None:
         ex, stats = plan.exchange, self._stats

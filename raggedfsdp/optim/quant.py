@@ -7,7 +7,8 @@ decimal exponent plus a linear fraction, 256 points in [-1, 1] for the signed fi
 
 Quantizing picks the nearest code, ties going up, with the same fp32 arithmetic as torchao (the
 half-way test ``x - lo >= (hi - lo) * 0.5``): results are bitwise those of
-``torchao.optim.AdamW8bit``, not merely close.
+``torchao.optim.AdamW8bit``, not merely close. That rule is a step function of ``x`` with 255
+steps, so it is computed as one lookup in a table of those steps (``QuantMap.table``).
 
 A *block* is a ``tile_rows x tile_cols`` tile of a 2-D view of the flat piece being quantized;
 1-D blocks of ``B`` elements are the ``1 x B`` case. Tiles at the right and bottom edges may be
@@ -15,43 +16,114 @@ partial, which is how a tensor whose size is not a multiple of the block is hand
 always counted from the start of the *parameter*, and the sharding policy keeps every block on
 one rank, so quantizing a rank's piece needs no communication and gives the same codes at any
 world size.
+
+``quantize_blocks_`` and ``dequantize_blocks`` work on one region of whole blocks viewed as
+``(block rows, tile rows, block cols, tile cols)``; the eager ``quantize_`` / ``dequantize_`` loop
+over a piece's regions, and the fused 8-bit AdamW step compiles them inside its per-region update.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import einops
 import torch
 from torch import Tensor
 
-__all__ = ["BlockGrid", "QuantMap", "dequantize_", "dynamic_map", "nearest_codes", "quantize_"]
+__all__ = [
+    "BlockGrid",
+    "QuantMap",
+    "dequantize_",
+    "dequantize_blocks",
+    "dynamic_map",
+    "nearest_codes",
+    "quantize_",
+    "quantize_blocks_",
+    "rounding_steps",
+]
 
 #: Floor of a block's scale, as in bitsandbytes and torchao: an all-zero block must not divide
 #: by zero.
 MIN_ABSMAX = 1e-12
 
+_SIGN_OFF = 0x7FFFFFFF  # xor with this (negatives only) turns fp32 bits into an ordered int
+_BUCKET_BITS = 16  # the table has one entry per value of the ordered int's top 16 bits
+_LOW_MASK = (1 << _BUCKET_BITS) - 1
+_NO_STEP = 1 << _BUCKET_BITS  # "no step inside this bucket": larger than any low half
+_STEP_BITS = _BUCKET_BITS + 1  # an entry is code << 17 | the step's low half (or _NO_STEP)
+
+
+# ----------------------------------------------------------------------------- the math
+def quantize_blocks_(values: Tensor, codes: Tensor, scales: Tensor, qmap: QuantMap) -> None:
+    """Quantize one region of fp32 ``values`` viewed as ``(br, tr, bc, tc)`` blocks: each
+    block's scale (``scales``, ``(br, 1, bc, 1)``) is its largest magnitude, each element's code
+    (``codes``, uint8, the values' shape) the map point nearest to ``value / scale``."""
+    scale = values.abs().amax(dim=(1, 3), keepdim=True).clamp_min(MIN_ABSMAX)
+    scales.copy_(scale)
+    codes.copy_(nearest_codes(values / scale, qmap))
+
+
+def dequantize_blocks(
+    codes: Tensor, scales: Tensor, qmap: QuantMap, out: Tensor | None = None
+) -> Tensor:
+    """``qmap[code] * scale`` for one region (the shapes of ``quantize_blocks_``), into ``out``
+    when given."""
+    return torch.mul(_lookup(qmap.values, codes.int()), scales, out=out)
+
+
+def nearest_codes(scaled: Tensor, qmap: QuantMap) -> Tensor:
+    """Code (int32) of the map point nearest to each value of ``scaled`` (in [-1, 1]).
+
+    The fp32 bits of a value, read as an integer ordered like the values themselves, select a
+    table entry by their top 16 bits: the code of the bucket's smallest value, plus one if the
+    value is at or past the one rounding step that can lie inside the bucket (compared on the
+    low 16 bits). Same results as torchao's binary search and half-way test, in one lookup.
+    In-place steps on the temporaries: eagerly, allocating a fresh one per step costs more than
+    the arithmetic (half the time here); compiled, they fuse either way.
+    """
+    bits = scaled.view(torch.int32)
+    ordered = bits.bitwise_right_shift(31).bitwise_and_(_SIGN_OFF).bitwise_xor_(bits)
+    bucket = ordered.bitwise_right_shift(_BUCKET_BITS).add_(1 << (_BUCKET_BITS - 1))
+    entry = _lookup(qmap.table, bucket)
+    past = ordered.bitwise_and_(_LOW_MASK).ge_(entry & (_NO_STEP | _LOW_MASK))
+    return entry.bitwise_right_shift_(_STEP_BITS).add_(past)
+
+
+def _lookup(table: Tensor, index: Tensor) -> Tensor:
+    """``table[index]`` for indices known to be in range: ``index_select`` eagerly (the fastest
+    gather on CPU), and under ``torch.compile`` the unchecked index, so inductor emits no bounds
+    assertion inside the fused loop."""
+    if torch.compiler.is_compiling():
+        return torch.ops.aten._unsafe_index(table, [index])
+    return table.index_select(0, index.reshape(-1)).view(index.shape)
+
 
 def quantize_(values: Tensor, grid: BlockGrid, codes: Tensor, absmax: Tensor, qmap: QuantMap):
     """Quantize the flat fp32 ``values`` into ``codes`` (uint8, same size) and ``absmax`` (one
-    fp32 per block, flat): each block's scale is its largest magnitude, each element's code the
-    map point nearest to ``value / scale``."""
-    for rows, cols, tr, tc in grid.regions():
-        x = grid.blocks(values, rows, cols, tr, tc)
-        scale = x.abs().amax(dim=(1, 3), keepdim=True).clamp_min(MIN_ABSMAX)  # one per tile
-        grid.scales(absmax, rows, cols).copy_(scale)
-        grid.blocks(codes, rows, cols, tr, tc).copy_(nearest_codes(x / scale, qmap))
+    fp32 per block, flat), region by region of ``grid``."""
+    for region in grid.regions():
+        quantize_blocks_(
+            grid.blocks(values, *region),
+            grid.blocks(codes, *region),
+            grid.scales(absmax, *region),
+            qmap,
+        )
 
 
 def dequantize_(out: Tensor, grid: BlockGrid, codes: Tensor, absmax: Tensor, qmap: QuantMap):
     """Write ``qmap[code] * absmax`` into the flat fp32 ``out``."""
-    for rows, cols, tr, tc in grid.regions():
-        c = grid.blocks(codes, rows, cols, tr, tc)
-        values = qmap.values.index_select(0, c.reshape(-1).int()).view(c.shape)
-        torch.mul(values, grid.scales(absmax, rows, cols), out=grid.blocks(out, rows, cols, tr, tc))
+    for region in grid.regions():
+        dequantize_blocks(
+            grid.blocks(codes, *region),
+            grid.scales(absmax, *region),
+            qmap,
+            out=grid.blocks(out, *region),
+        )
 
 
+# ----------------------------------------------------------------------------- the code maps
 def dynamic_map(signed: bool) -> Tensor:
     """bitsandbytes' dynamic 8-bit map (``create_dynamic_map(signed)``, 7 exponent bits), fp32.
 
@@ -74,71 +146,68 @@ def dynamic_map(signed: bool) -> Tensor:
     return torch.tensor(sorted(values), dtype=torch.float32)
 
 
+def rounding_steps(values: Tensor) -> Tensor:
+    """The 255 fp32 values where nearest-code rounding steps up: ``steps[k]`` is the smallest
+    fp32 ``x`` above ``values[k]`` with ``x - values[k] >= (values[k+1] - values[k]) * 0.5`` in
+    fp32 arithmetic. The fp32 difference never decreases as ``x`` grows, so the code of ``x`` is
+    the number of steps at or below it; found by bisection over the ordered fp32 bit patterns."""
+    low, high = values[:-1], values[1:]
+    half_gap = (high - low) * 0.5
+    lo, hi = _ordered(low), _ordered(high)  # the test fails at lo and holds at hi
+    while bool((hi - lo > 1).any()):
+        mid = (lo + hi) // 2
+        holds = (_from_ordered(mid) - low) >= half_gap
+        hi, lo = torch.where(holds, mid, hi), torch.where(holds, lo, mid)
+    return _from_ordered(hi)
+
+
+def _ordered(x: Tensor) -> Tensor:
+    """fp32 values as int64 keys in the same order (negative floats have their magnitude bits
+    flipped)."""
+    bits = x.view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ _SIGN_OFF, bits)
+
+
+def _from_ordered(key: Tensor) -> Tensor:
+    """Inverse of ``_ordered`` (int64 keys in the int32 range)."""
+    bits = torch.where(key < 0, key ^ _SIGN_OFF, key)
+    return bits.to(torch.int32).view(torch.float32)
+
+
 @dataclass(frozen=True)
 class QuantMap:
-    """A code map on one device, with the tables that make nearest-code search cheap.
+    """A code map on one device, with the table that makes nearest-code search one lookup.
 
-    ``half_gap[k] = (values[k + 1] - values[k]) * 0.5`` in fp32, +inf for the last code so it
-    never rounds up; ``upper[k] = values[k + 1]`` (+inf for the last). ``start`` maps the top 16
-    bits of an fp32 value (sign, exponent, 7 mantissa bits) to the last code not above the
-    smallest value with those bits; at most ``steps`` more points lie inside such a bucket, so a
-    value's last code not above it is ``start`` plus at most ``steps`` one-comparison steps
-    (a binary search over 256 points, ``torch.searchsorted``, is several times slower on CPU).
+    ``values``: the 256 fp32 points. ``table``: int32, one entry per bucket of 65,536
+    consecutive fp32 values (in value order, ``nearest_codes``), ``code << 17 | low``: the code
+    of the bucket's smallest value, and the low 16 bits of the one rounding step inside the
+    bucket (``1 << 16``: none). The dynamic maps' steps are far enough apart that a bucket
+    holds at most one (checked when the table is built). Non-finite values get the codes of
+    the table's ends, as with the half-way test.
     """
 
     values: Tensor
-    half_gap: Tensor
-    upper: Tensor
-    start: Tensor
-    steps: int
+    table: Tensor
 
     @staticmethod
     @functools.cache
     def get(signed: bool, device: torch.device) -> QuantMap:
         values = dynamic_map(signed)
-        inf = torch.tensor([float("inf")])
-        half_gap = torch.cat([(values[1:] - values[:-1]) * 0.5, inf])
-        upper = torch.cat([values[1:], inf])
-        keys = torch.arange(1 << 16, dtype=torch.int64)
-        negative = keys >= 1 << 15
-        # smallest and largest value of each bucket (negative floats grow in magnitude with bits)
-        low_bits = torch.where(negative, (keys << 16) | 0xFFFF, keys << 16)
-        high_bits = torch.where(negative, keys << 16, (keys << 16) | 0xFFFF)
-        lowest, highest = (_as_float(b) for b in (low_bits, high_bits))
-        start = (torch.searchsorted(values, lowest, right=True) - 1).clamp_(0, 255)
-        last = (torch.searchsorted(values, highest, right=True) - 1).clamp_(0, 255)
-        finite = lowest.isfinite() & highest.isfinite()
-        steps = int((last - start)[finite].max())
-        return QuantMap(
-            values.to(device),
-            half_gap.to(device),
-            upper.to(device),
-            start.to(device=device, dtype=torch.int32),
-            steps,
-        )
+        steps = rounding_steps(values)
+        first = (torch.arange(1 << _BUCKET_BITS) - (1 << (_BUCKET_BITS - 1))) << _BUCKET_BITS
+        lowest, highest = _from_ordered(first), _from_ordered(first | _LOW_MASK)
+        code = torch.searchsorted(steps, lowest, right=True)  # NaN sorts last: code 255
+        inside = torch.searchsorted(steps, highest, right=True) - code
+        inside[~(lowest.isfinite() & highest.isfinite())] = 0
+        if int(inside.max()) > 1:
+            raise AssertionError("two rounding steps share a bucket: widen the table")
+        step = steps[code.clamp(max=steps.numel() - 1)]
+        low = torch.where(inside > 0, _ordered(step) & _LOW_MASK, _NO_STEP)
+        table = ((code << _STEP_BITS) | low).to(torch.int32)
+        return QuantMap(values.to(device), table.to(device))
 
 
-def _as_float(bits: Tensor) -> Tensor:
-    """fp32 values of unsigned 32-bit patterns given as int64."""
-    signed = torch.where(bits >= 1 << 31, bits - (1 << 32), bits)
-    return signed.to(torch.int32).view(torch.float32)
-
-
-def nearest_codes(scaled: Tensor, qmap: QuantMap) -> Tensor:
-    """Code (int32) of the map point nearest to each value of ``scaled`` (in [-1, 1]).
-
-    ``lo`` is the last point not above the value (0 below the first point); the value rounds up
-    to ``lo + 1`` when it is at least half-way there, computed in fp32 as the reference does.
-    """
-    flat = scaled.reshape(-1)
-    key = flat.view(torch.int32).bitwise_right_shift(16).bitwise_and_(0xFFFF)
-    lo = qmap.start.index_select(0, key)
-    for _ in range(qmap.steps):
-        lo += flat >= qmap.upper.index_select(0, lo)
-    lo += (flat - qmap.values.index_select(0, lo)) >= qmap.half_gap.index_select(0, lo)
-    return lo.view(scaled.shape)
-
-
+# ----------------------------------------------------------------------------- the geometry
 @dataclass(frozen=True)
 class BlockGrid:
     """How a flat piece of ``rows * cols`` elements is cut into ``tile_rows x tile_cols`` blocks.
@@ -166,7 +235,7 @@ class BlockGrid:
         r, c = self.grid
         return r * c
 
-    def regions(self):
+    def regions(self) -> Iterator[tuple[slice, slice, int, int]]:
         """Yield ``(rows, cols, block_rows, block_cols)`` slices covering the piece with regular
         tilings: the whole tiles, then the partial right column, bottom row and corner."""
         r_main = self.rows - self.rows % self.tile_rows
@@ -185,7 +254,7 @@ class BlockGrid:
         region = flat.view(self.rows, self.cols)[rows, cols]
         return einops.rearrange(region, "(br tr) (bc tc) -> br tr bc tc", tr=tr, tc=tc)
 
-    def scales(self, absmax: Tensor, rows: slice, cols: slice) -> Tensor:
+    def scales(self, absmax: Tensor, rows: slice, cols: slice, *_: int) -> Tensor:
         """The region's part of the absmax grid as a ``(block rows, 1, block cols, 1)`` view of
         ``absmax``: one scale per tile of ``blocks``, broadcast over the tile."""
         grid = absmax.view(self.grid)

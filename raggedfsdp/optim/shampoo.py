@@ -1,68 +1,64 @@
-"""``Shampoo``: blocked Shampoo with Adam grafting whose blocks follow the global shape.
+"""``Shampoo``: blocked Shampoo on the global shape, with DistributedShampoo's rules.
 
-The rule is facebookresearch's DistributedShampoo with its defaults (see ``Shampoo``, whose
-numbered steps are the functions at the top of this file), with one structural choice that makes
-it shard well: blocks are cut from the *global* parameter shape, never from a rank's shard, so
-the world size cannot change the math.
+The rule is facebookresearch's DistributedShampoo (see ``Shampoo``, whose numbered steps are the
+functions at the top of this file), with one structural choice that makes it shard well: blocks
+are cut from the *global* parameter shape, never from a rank's shard, so the world size cannot
+change the math.
 
-A parameter of two or more dims is viewed as a ``rows × cols`` matrix (``cols`` = last dim, as
-``row_numel``) and cut into a grid of blocks of at most ``B × B``, ``B = max_preconditioner_dim``
-(``raggedfsdp.sharding.blocks.ShampooBlocks``). A *slab* is one row of blocks (``min(B, rows)``
-whole rows). ``Shampoo.shard_policy`` declares a slab as the shard unit, so under
-``fully_shard(..., shard_policy=Shampoo.shard_policy())`` and in the drop-in mode every block lies
-whole on one rank: factors, inverse roots and preconditioning are local and no optimizer byte
-crosses the network; the layout itself spreads the eigendecompositions over ranks.
+A preconditioned parameter is viewed as a ``rows × cols`` matrix (``cols`` = last dim; with
+``merge_dims``, DistributedShampoo's merged shape; a vector is an ``n × 1`` column) and cut into
+blocks of at most ``B × B``, ``B = max_preconditioner_dim``
+(``raggedfsdp.sharding.blocks.ShampooBlocks``). A *slab* is one row of blocks.
+``Shampoo.shard_policy`` declares a slab as the shard unit, so under ``fully_shard(...,
+shard_policy=Shampoo.shard_policy())`` and in the drop-in mode every block lies whole on one
+rank: factors, inverse roots and preconditioning are local and no optimizer byte crosses the
+network; the layout itself spreads the eigendecompositions over ranks. A layout that cuts slabs
+still works: each cut slab is computed by its owner (``raggedfsdp.optim.slabs``).
 
-If a user forces a layout that cuts slabs (element units, say), the math does not change: each cut
-slab is computed by one *owner* (the rank holding its first element), which receives the slab's
-pieces through one batched uneven all-to-all (``owner_compute.ExchangePlan``) and sends the
-update direction back.
-
-State and checkpoints: per-element state (filtered gradient, Adam grafting second moment,
-momentum) is split like the parameter. Per-block state (factors ``L``, ``R`` and their inverse
-roots) is stored per parameter as a global tensor of shape ``(slabs, blocks per slab, b, b)``
-(``b = min(B, rows)`` for ``L``, ``min(B, cols)`` for ``R``; smaller edge blocks sit zero-padded
-in the top-left corner), split by whole slabs: rank ``r`` holds the factors of the slabs whose
-first element it holds. That split is a ``RaggedShard`` (consecutive slabs, rank order), so the
-factors are ``RaggedTensor`` s that DCP saves and reloads at any other world size or layout, and
-in the aligned case they sit exactly where their blocks are.
+Per-element state (filtered gradient, grafting second moment, momentum) is split like the
+parameter. Per-block state (factors ``L``, ``R`` and their inverse roots) is stored per
+parameter as a global tensor of shape ``(slabs, blocks per slab, b, b)`` (``b = min(B, rows)``
+for ``L``, ``min(B, cols)`` for ``R``; smaller edge blocks sit zero-padded in the top-left
+corner), split by whole slabs (rank ``r`` keeps the slabs whose first element it holds), so DCP
+saves and reloads it at any other world size or layout.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.base import ShardedOptimizer
+from raggedfsdp.optim.blocked import BlockedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
-from raggedfsdp.optim.owner_compute import ExchangePlan
+from raggedfsdp.optim.matrix_roots import RootJob, inverse_roots_
 from raggedfsdp.optim.pieces import unwrap
-from raggedfsdp.sharding import RaggedShard, ShardPolicy
+from raggedfsdp.optim.slabs import SlabTask, SlabWork
 from raggedfsdp.sharding.blocks import ShampooBlocks
-from raggedfsdp.sharding.owners import Job
-from raggedfsdp.sharding.units import check_preconditioner_dim, shampoo_blocked, shampoo_policy
+from raggedfsdp.sharding.units import check_preconditioner_dim
 
-__all__ = ["Shampoo"]
+__all__ = ["GRAFTINGS", "ROOT_METHODS", "Shampoo"]
 
 #: Added to the Shampoo direction's norm before grafting, as DistributedShampoo does.
 _GRAFT_TINY = 1e-16
-
-_PER_ELEMENT = ("filtered_grad", "grafting_v")
-_FACTORS = ("factor_L", "factor_R", "inv_root_L", "inv_root_R")
-#: What a slab's blocks read, and what travels to the owner of a cut slab: g, f̂ and a.
-_INPUTS = ("grad", "filtered", "adam")
+#: Grafting rules: DistributedShampoo's ``grafting_config`` (None, SGD, AdaGrad, RMSprop, Adam).
+GRAFTINGS = (None, "sgd", "adagrad", "rmsprop", "adam")
+#: How inverse roots are computed (``raggedfsdp.optim.matrix_roots``).
+ROOT_METHODS = ("eigh", "newton")
+_DIAGONAL_GRAFTINGS = ("adagrad", "rmsprop", "adam")
 _STATS = (
     "eigendecompositions",
     "eigh_cost",
+    "eigh_batched",
     "fp64_retries",
     "root_failures",
+    "newton_roots",
+    "newton_iterations",
+    "newton_fallbacks",
     "blocks",
     "owner_slabs",
     "bytes_sent",
@@ -79,66 +75,85 @@ class _Hyper:
     beta1: float
     beta2: float
     eps: float
+    grafting: str | None
     graft_beta2: float
     graft_eps: float
     bias_correction: bool
     compute_roots: bool
     use_shampoo: bool
+    exponents: dict[int, tuple[float, float]]  # block order -> (L's, R's) inverse exponent
+    root_method: str
+    eps_before: bool
+    batching: bool | None
 
     @classmethod
-    def of(cls, group: dict[str, Any], step: Tensor) -> _Hyper:
+    def of(cls, group: dict[str, Any], step: Tensor, batching: bool | None) -> _Hyper:
         t = int(step.item()) + 1
+        freq, start = group["precondition_frequency"], group["start_preconditioning_step"]
         beta1, beta2 = group["betas"]
         return cls(
             t=t,
             beta1=beta1,
             beta2=beta2,
             eps=group["epsilon"],
-            graft_beta2=group["grafting_beta2"],
+            grafting=group["grafting"],
+            graft_beta2=1.0 if group["grafting"] == "adagrad" else group["grafting_beta2"],
             graft_eps=group["grafting_epsilon"],
             bias_correction=group["use_bias_correction"],
-            compute_roots=t % group["precondition_frequency"] == 0,
-            use_shampoo=t >= group["start_preconditioning_step"],
+            compute_roots=t == start or (t > start and t % freq == 0),
+            use_shampoo=t >= start,
+            exponents={o: inverse_exponents(group["inverse_exponent_override"], o) for o in (1, 2)},
+            root_method=group["root_method"],
+            eps_before=group["epsilon_before_decomposition"],
+            batching=batching,
         )
 
 
-@dataclass
-class _Inputs:
-    """What a slab's blocks read: the gradient ``g``, the filtered gradient ``f̂`` and the
-    Adam direction ``a``, flat for a parameter's piece or ``rows × cols`` for a slab."""
-
-    grad: Tensor
-    filtered: Tensor
-    adam: Tensor
-
-    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
-        return self.grad, self.filtered, self.adam
-
-    def slab(self, part: slice, cols: int) -> _Inputs:
-        """``part`` of each flat tensor as a ``rows × cols`` view: one slab."""
-        return _Inputs(*(x[part].view(-1, cols) for x in self.tensors()))
+def inverse_exponents(override: dict[int, Any], order: int) -> tuple[float, float]:
+    """The exponents ``p`` of ``L^{-p}`` and ``R^{-p}`` for blocks of ``order`` (1: vectors,
+    ``L`` only): ``1 / (2 · order)`` (DistributedShampoo's default) unless
+    ``inverse_exponent_override[order]`` sets one value for both sides or ``{dim: value}``."""
+    default = 1 / (2 * order)
+    value = override.get(order, default)
+    if isinstance(value, dict):
+        return float(value.get(0, default)), float(value.get(1, default))
+    return float(value), float(value)
 
 
 @dataclass
 class _Block:
     """One block's factors and inverse roots: views into the slab's state (an edge block uses
-    the top-left corner of its zero-padded ``b × b`` storage)."""
+    the top-left corner of its zero-padded ``b × b`` storage); ``R`` is None for vectors."""
 
     L: Tensor
-    R: Tensor
     L_inv: Tensor
-    R_inv: Tensor
+    R: Tensor | None
+    R_inv: Tensor | None
 
     @classmethod
     def of(cls, factors: dict[str, Tensor], slab: int, j: int, rows: int, cols: int) -> _Block:
         """Block ``j`` of slab ``slab`` (this rank's factor index) of ``rows × cols``."""
         left, right = slice(0, rows), slice(0, cols)
+        if "factor_R" not in factors:
+            return cls(
+                factors["factor_L"][slab, j, left, left],
+                factors["inv_root_L"][slab, j, left, left],
+                None,
+                None,
+            )
         return cls(
             factors["factor_L"][slab, j, left, left],
-            factors["factor_R"][slab, j, right, right],
             factors["inv_root_L"][slab, j, left, left],
+            factors["factor_R"][slab, j, right, right],
             factors["inv_root_R"][slab, j, right, right],
         )
+
+    def sides(self, exponents: tuple[float, float]) -> list[tuple[Tensor, Tensor, float]]:
+        """``(factor, root, exponent)`` of every side that is preconditioned (exponent > 0)."""
+        out = [(self.L, self.L_inv, exponents[0])]
+        if self.R is not None:
+            out.append((self.R, self.R_inv, exponents[1]))
+        return [side for side in out if side[2] > 0]
 
 
 def add_weight_decay(g: Tensor, p: Tensor, weight_decay: float) -> Tensor:
@@ -147,17 +162,19 @@ def add_weight_decay(g: Tensor, p: Tensor, weight_decay: float) -> Tensor:
 
 
 def update_grafting_(v: Tensor, g: Tensor, beta2: float) -> None:
-    """Step 2: Adam grafting's ``v = β_g·v + (1-β_g)·g²`` (``v += g²`` when ``β_g = 1``)."""
+    """Step 2: the diagonal grafting state ``v = β_g·v + (1-β_g)·g²`` (``v += g²`` when
+    ``β_g = 1``, AdaGrad)."""
     if beta2 == 1.0:
         v.addcmul_(g, g)
     else:
         v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
 
 
-def accumulate_factors_(block: _Block, g: Tensor, beta2: float) -> None:
+def accumulate_factors_(block: _Block, g: Tensor, beta2: float, exponents: tuple) -> None:
     """Step 3: ``L = β₂·L + (1-β₂)·G Gᵀ`` and ``R = β₂·R + (1-β₂)·Gᵀ G`` for the block ``G``
-    (plain sums when ``β₂ = 1``)."""
-    for factor, outer in ((block.L, g @ g.T), (block.R, g.T @ g)):
+    (plain sums when ``β₂ = 1``); sides with exponent 0 are not preconditioned, not kept."""
+    for factor, _, _ in block.sides(exponents):
+        outer = g @ g.T if factor is block.L else g.T @ g
         if beta2 == 1.0:
             factor.add_(outer)
         else:
@@ -173,58 +190,38 @@ def filter_gradient_(f: Tensor, g: Tensor, beta1: float, t: int, bias_correction
     return f / (1 - beta1**t) if bias_correction else f.clone()
 
 
-def adam_direction(
-    f_hat: Tensor, v: Tensor, t: int, beta2: float, eps: float, bias_correction: bool
-) -> Tensor:
-    """Step 5: ``a = f̂ / (sqrt(v / (1-β_gᵗ)) + grafting_epsilon)``."""
-    v_hat = v / (1 - beta2**t) if bias_correction and beta2 < 1 else v
-    return f_hat / (v_hat.sqrt() + eps)
+def grafting_direction(f_hat: Tensor, v: Tensor | None, h: _Hyper) -> Tensor | None:
+    """Step 5: the grafted method's direction ``a``: ``f̂`` (SGD), ``f̂ / (sqrt(v) + ε_g)``
+    (AdaGrad, RMSprop), ``f̂ / (sqrt(v / (1-β_gᵗ)) + ε_g)`` (Adam); None without grafting."""
+    if h.grafting is None or v is None:
+        return f_hat if h.grafting == "sgd" else None
+    v_hat = v / (1 - h.graft_beta2**h.t) if h.grafting == "adam" and h.graft_beta2 < 1 else v
+    return f_hat / (v_hat.sqrt() + h.graft_eps)
 
 
-def inverse_roots_(block: _Block, h: _Hyper, stats: dict[str, int]) -> None:
-    """Step 6: ``L̂^{-1/4}`` and ``R̂^{-1/4}`` of the bias-corrected factors into the block's
-    roots (``inverse_root_``)."""
+def root_jobs(blocks: Sequence[_Block], orders: Sequence[int], h: _Hyper) -> list[RootJob]:
+    """Step 6: the inverse roots due, of the bias-corrected factors ``L / (1-β₂ᵗ)``."""
     scale = 1 - h.beta2**h.t if h.bias_correction and h.beta2 < 1 else 1.0
-    for factor, root in ((block.L, block.L_inv), (block.R, block.R_inv)):
-        inverse_root_(factor / scale if scale != 1.0 else factor, h.eps, root, stats)
+    return [
+        RootJob(factor / scale if scale != 1.0 else factor, root, exponent)
+        for block, order in zip(blocks, orders, strict=True)
+        for factor, root, exponent in block.sides(h.exponents[order])
+    ]
 
 
-def inverse_root_(factor: Tensor, eps: float, out: Tensor, stats: dict[str, int]) -> None:
-    """``out = factor^{-1/4}`` by eigendecomposition, eigenvalues made non-negative and shifted
-    by ``eps``; fp64 retry when eigh fails; on failure ``out`` keeps its previous value."""
-    n = factor.shape[0]
-    stats["eigendecompositions"] += 1
-    stats["eigh_cost"] += n**3
-    matrix = factor.contiguous()
-    result = None
-    if torch.isfinite(matrix).all():
-        try:
-            lam, q = torch.linalg.eigh(matrix)
-        except RuntimeError:
-            lam = q = None
-            if matrix.dtype != torch.float64:
-                stats["fp64_retries"] += 1
-                with contextlib.suppress(RuntimeError):
-                    lam, q = torch.linalg.eigh(matrix.double())
-        if lam is not None:
-            lam = lam - torch.clamp(lam.min(), max=0.0) + eps
-            root = (q * lam.pow(-0.25).unsqueeze(0)) @ q.T
-            if torch.isfinite(root).all():
-                result = root.to(out.dtype)
-    if result is None:
-        stats["root_failures"] += 1
-        return
-    out.copy_(result)
-
-
-def precondition(block: _Block, f_hat: Tensor) -> Tensor:
-    """Step 7: ``s = L̂^{-1/4} F̂ R̂^{-1/4}`` for the block's filtered gradient ``F̂``."""
-    fb = f_hat.to(block.L.dtype, copy=True).contiguous()
-    return block.L_inv.contiguous() @ fb @ block.R_inv.contiguous()
+def precondition(block: _Block, f_hat: Tensor, exponents: tuple[float, float]) -> Tensor:
+    """Step 7: ``s = L^{-p} F̂ R^{-p}`` for the block's filtered gradient ``F̂`` (a side with
+    exponent 0 is the identity)."""
+    s = f_hat.to(block.L.dtype, copy=True).contiguous()
+    if exponents[0] > 0:
+        s = block.L_inv.contiguous() @ s
+    if block.R_inv is not None and exponents[1] > 0:
+        s = s @ block.R_inv.contiguous()
+    return s
 
 
 def graft(s: Tensor, a: Tensor) -> Tensor:
-    """Step 7: ``s`` scaled to the Adam direction's norm, ``s · ‖a‖ / (‖s‖ + 1e-16)``."""
+    """Step 7: ``s`` scaled to the grafted direction's norm, ``s · ‖a‖ / (‖s‖ + 1e-16)``."""
     a_norm = torch.linalg.vector_norm(a.to(s.dtype))
     return s * (a_norm / (torch.linalg.vector_norm(s) + _GRAFT_TINY))
 
@@ -232,145 +229,139 @@ def graft(s: Tensor, a: Tensor) -> Tensor:
 def add_momentum_(
     d: Tensor, m: Tensor, momentum: float, dampening: float, nesterov: bool
 ) -> Tensor:
-    """Step 8: ``m = μ·m + (1-dampening)·d`` in place; returns ``d + μ·m`` (Nesterov) or
-    ``m``."""
+    """Step 8: ``m = μ·m + (1-δ)·d`` in place; returns ``(1-δ)·d + μ·m`` (Nesterov) or ``m``
+    (DistributedShampoo's dampened Nesterov)."""
     m.mul_(momentum).add_(d, alpha=1 - dampening)
-    return d.add(m, alpha=momentum) if nesterov else m
+    if not nesterov:
+        return m
+    return d.mul(1 - dampening).add_(m, alpha=momentum)
 
 
-def shampoo_block(
-    block: _Block, g: Tensor, f_hat: Tensor, a: Tensor, h: _Hyper, stats: dict[str, int]
-) -> Tensor | None:
-    """Steps 3, 6 and 7 on one block (``g``, ``f̂``, ``a`` its ``rows × cols`` views): update its
-    factors, recompute its roots when due, and return its grafted Shampoo direction, or None
-    before ``start_preconditioning_step`` (the Adam direction stays)."""
-    # a fresh contiguous copy: the matmuls see the same memory layout on every rank
-    accumulate_factors_(block, g.to(block.L.dtype, copy=True).contiguous(), h.beta2)
-    if h.compute_roots:
-        inverse_roots_(block, h, stats)
-    if not h.use_shampoo:
-        return None
-    stats["blocks"] += 1
-    return graft(precondition(block, f_hat), a)
-
-
-def shampoo_slab(
-    blocks: ShampooBlocks,
-    factors: dict[str, Tensor],
-    k: int,
-    inputs: _Inputs,
+def shampoo_slabs(
+    tasks: Sequence[SlabTask],
+    factors_of: Callable[[Piece], dict[str, Tensor]],
     h: _Hyper,
     stats: dict[str, int],
-) -> Tensor:
-    """``shampoo_block`` on every block of one slab (``k``: its index in this rank's
-    ``factors``; ``inputs`` its ``rows × cols`` views); returns the slab's direction."""
-    rows = inputs.grad.shape[0]
-    out = inputs.adam.clone()
-    for j in range(blocks.col_blocks):
-        cols = slice(j * blocks.block_cols, min((j + 1) * blocks.block_cols, blocks.cols))
-        block = _Block.of(factors, k, j, rows, cols.stop - cols.start)
-        d = shampoo_block(block, *(x[:, cols] for x in inputs.tensors()), h, stats)
-        if d is not None:
-            out[:, cols] = d
-    return out
+) -> list[Tensor]:
+    """Steps 3, 6 and 7 on every block of every slab this rank computes (``tasks``): factors,
+    the roots due (all of them at once, so equal sizes share batched eigendecompositions),
+    then each block's (grafted) Shampoo direction. Returns each slab's direction."""
+    blocks, orders, where = [], [], []
+    for n, task in enumerate(tasks):
+        b = task.geometry.blocks
+        factors, g = factors_of(task.piece), task.inputs["grad"]
+        for j in range(b.col_blocks):
+            cols = slice(j * b.block_cols, min((j + 1) * b.block_cols, b.cols))
+            block = _Block.of(factors, task.owned, j, g.shape[0], cols.stop - cols.start)
+            # a fresh contiguous copy: the matmuls see the same memory layout on every rank
+            gb = g[:, cols].to(block.L.dtype, copy=True).contiguous()
+            accumulate_factors_(block, gb, h.beta2, h.exponents[b.order])
+            blocks.append(block)
+            orders.append(b.order)
+            where.append((n, cols))
+    if h.compute_roots:
+        jobs = root_jobs(blocks, orders, h)
+        inverse_roots_(jobs, h.eps, h.eps_before, h.root_method, stats, h.batching)
+    base = "graft" if h.grafting is not None else "filtered"
+    outs = [task.inputs[base].clone() for task in tasks]
+    if not h.use_shampoo:
+        return outs
+    for block, order, (n, cols) in zip(blocks, orders, where, strict=True):
+        s = precondition(block, tasks[n].inputs["filtered"][:, cols], h.exponents[order])
+        if h.grafting is not None:
+            s = graft(s, tasks[n].inputs["graft"][:, cols])
+        outs[n][:, cols] = s
+        stats["blocks"] += 1
+    return outs
 
 
 # ----------------------------------------------------------------------------- bookkeeping
 @dataclass
 class _Work:
-    """One parameter's step on this rank after steps 1–5: ``param`` its flat local values
-    (updated in place at step 8), ``direction`` the Adam direction that steps 3–7 overwrite
-    with Shampoo's on its blocks."""
+    """One parameter's step on this rank after steps 1, 2, 4 and 5: ``param`` its flat local
+    values (updated in place at step 8), ``inputs`` what its slabs read (``grad``,
+    ``filtered``, and ``graft`` with grafting), ``direction`` the grafted (or filtered)
+    direction that steps 3, 6 and 7 overwrite with Shampoo's on its blocks."""
 
     piece: Piece
     param: Tensor
-    inputs: _Inputs
+    inputs: dict[str, Tensor]
     direction: Tensor
 
 
-@dataclass
-class _Geometry:
-    """A blocked parameter's ``ShampooBlocks`` and this rank's place in them."""
-
-    blocks: ShampooBlocks
-    bounds: list[int]  # rank r holds [bounds[r], bounds[r + 1]) of the flat parameter
-    rank: int
-    owners: list[int]  # owner rank of every slab (holder of its first element)
-    first_owned: int  # first slab this rank owns (its factors' first index)
-    num_owned: int
-    factor_shards: dict[str, RaggedShard | None] = field(default_factory=dict)
-
-    def held(self, i: int) -> slice:
-        """This rank's part of slab ``i``, in its local flat view of the parameter."""
-        start, stop = self.blocks.slab_range(i)
-        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
-        return slice(max(start, lo) - lo, min(stop, hi) - lo)
-
-    def is_local(self, i: int) -> bool:
-        start, stop = self.blocks.slab_range(i)
-        return self.bounds[self.rank] <= start and stop <= self.bounds[self.rank + 1]
-
-
-@dataclass
-class _CutSlabs:
-    """The slabs of one param group that a forced layout cut, and their exchange."""
-
-    plan: ExchangePlan
-    slabs: list[tuple[Piece, int]]  # (piece, slab index) per job
-
-
 # ----------------------------------------------------------------------------- the optimizer
-class Shampoo(ShardedOptimizer):
-    """Blocked Shampoo with Adam grafting, the rule of facebookresearch's DistributedShampoo.
+class Shampoo(BlockedOptimizer):
+    """Blocked Shampoo, the rule of facebookresearch's DistributedShampoo.
 
     Per step ``t`` (from 1) and parameter ``p`` with gradient ``g``:
 
     1. (``use_decoupled_weight_decay=False`` only) ``g += weight_decay · p``.
-    2. Adam grafting state: ``v = β_g·v + (1-β_g)·g²`` (``v += g²`` when ``β_g = 1``).
-    3. For each ``B × B`` block ``G`` of ``g``: ``L = β₂·L + (1-β₂)·G Gᵀ``, ``R = β₂·R +
-       (1-β₂)·Gᵀ G`` (plain sums when ``β₂ = 1``, the default).
+    2. Grafting state (AdaGrad, RMSprop, Adam): ``v = β_g·v + (1-β_g)·g²`` (AdaGrad: ``v += g²``).
+    3. For each block ``G`` of ``g`` (``B × B`` at most): ``L = β₂·L + (1-β₂)·G Gᵀ``, ``R = β₂·R
+       + (1-β₂)·Gᵀ G`` (plain sums when ``β₂ = 1``, the default); vector blocks keep ``L`` only.
     4. Filtered gradient ``f = β₁·f + (1-β₁)·g``, bias-corrected ``f̂ = f / (1-β₁ᵗ)``
        (``f̂ = g`` when ``β₁ = 0``).
-    5. Adam direction ``a = f̂ / (sqrt(v / (1-β_gᵗ)) + grafting_epsilon)``.
-    6. Every ``precondition_frequency`` steps (``t % frequency == 0``): the inverse roots
-       ``L̂^{-1/4}``, ``R̂^{-1/4}`` of ``L̂ = L / (1-β₂ᵗ)`` (no correction when ``β₂ = 1``) by
-       symmetric eigendecomposition in the factor dtype (fp32, retried in fp64 when it fails);
-       eigenvalues ``λ ← λ - min(λ_min, 0) + epsilon`` (made non-negative, then shifted by
-       epsilon). A failure in fp64 too, or a non-finite result, keeps the previous roots and is
-       counted in ``last_step_stats["root_failures"]``.
-    7. From ``t ≥ start_preconditioning_step``: per block ``s = L̂^{-1/4} F̂ R̂^{-1/4}`` scaled to
-       the Adam direction's norm, ``d = s · ‖a‖ / (‖s‖ + 1e-16)``; before that (and for
-       parameters of fewer than two dims, always) ``d = a``.
-    8. ``d += weight_decay · p`` (decoupled), momentum ``m = μ·m + (1-dampening)·d`` and
-       ``d = d + μ·m`` (Nesterov) or ``d = m``; ``p -= lr · d``.
+    5. Grafted direction ``a``: ``f̂`` (SGD), ``f̂ / (sqrt(v) + ε_g)`` (AdaGrad, RMSprop),
+       ``f̂ / (sqrt(v / (1-β_gᵗ)) + ε_g)`` (Adam); none without grafting.
+    6. At ``t = start_preconditioning_step`` and at every later multiple of
+       ``precondition_frequency``: the inverse roots ``L̂^{-p}``, ``R̂^{-p}`` of ``L̂ = L /
+       (1-β₂ᵗ)`` (no correction when ``β₂ = 1``), ``p = 1 / (2 · order)`` (1/4 for matrices,
+       1/2 for vectors) unless ``inverse_exponent_override`` says otherwise, by
+       ``root_method`` (``raggedfsdp.optim.matrix_roots``: eigh in the factor dtype, retried in
+       fp64, or coupled Newton falling back to eigh). Epsilon makes the spectrum positive after
+       the decomposition (``λ ← λ - min(λ_min, 0) + ε``) or, with
+       ``epsilon_before_decomposition``, is added to ``L̂`` first. A failure in fp64 too, or a
+       non-finite result, keeps the previous roots (``last_step_stats["root_failures"]``).
+       No root is computed before the start step.
+    7. From ``t ≥ start_preconditioning_step``: per block ``s = L̂^{-p} F̂ R̂^{-p}``, grafted to
+       ``d = s · ‖a‖ / (‖s‖ + 1e-16)`` (``d = s`` without grafting); before that, and for
+       tensors that are not preconditioned, ``d = a`` (``f̂`` without grafting, as
+       DistributedShampoo's identity initial roots give).
+    8. ``d += weight_decay · p`` (decoupled); momentum ``m = μ·m + (1-δ)·d`` and ``d = (1-δ)·d +
+       μ·m`` (Nesterov) or ``d = m``; ``p -= lr · d``.
 
-    Defaults (DistributedShampoo's): ``lr=1e-2``, ``betas=(0.9, 1.0)``, ``epsilon=1e-12``,
-    ``momentum=0``, ``dampening=0``, ``weight_decay=0``, ``max_preconditioner_dim=1024``,
-    ``precondition_frequency=1``, ``start_preconditioning_step=-1`` (meaning
-    ``precondition_frequency``), ``use_nesterov=False``, ``use_bias_correction=True``,
-    ``use_decoupled_weight_decay=True``, Adam grafting with ``grafting_beta2=0.99``,
-    ``grafting_epsilon=1e-10`` (``AdamGraftingConfig``'s defaults). Factors and roots are kept in
-    ``factor_dtype`` (default fp32, or fp64 for fp64 parameters).
+    Defaults and their sources. DistributedShampoo's: ``lr=1e-2``, ``betas=(0.9, 1.0)``,
+    ``epsilon=1e-12``, ``momentum=0``, ``dampening=0``, ``weight_decay=0``,
+    ``max_preconditioner_dim=1024``, ``precondition_frequency=1``,
+    ``start_preconditioning_step=-1`` (meaning ``precondition_frequency``),
+    ``use_nesterov=False``, ``use_bias_correction=True``, ``use_decoupled_weight_decay=True``,
+    ``inverse_exponent_override={}``, ``root_method="eigh"``. Ours, where DistributedShampoo
+    differs: ``grafting="adam"`` (its default is no grafting; ``AdamGraftingConfig``), with
+    ``grafting_beta2=0.99`` (``RMSpropGraftingConfig``'s β₂; Adam's is 0.999) and
+    ``grafting_epsilon=1e-10`` (its grafting configs' ε); ``merge_dims=False`` and
+    ``precondition_1d=False`` (it merges dims and preconditions vectors: pass both True for its
+    layout); ``epsilon_before_decomposition=False`` (its default perturbs before). Factors and
+    roots are kept in ``factor_dtype`` (default fp32, or fp64 for fp64 parameters, as its
+    ``PrecisionConfig``).
 
-    Differences from the reference, on purpose: dims are **not merged** (the reference merges
-    small dims, e.g. a 10×6 matrix into one 60-vector); tensors of 3+ dims are viewed as
-    ``prod(leading dims) × last dim`` matrices (the reference keeps one factor per dim); 1-D
-    parameters use the grafting method only; the filtered-gradient state always exists.
+    Differences from DistributedShampoo, on purpose: tensors of 3+ dims (after merging) are
+    ``prod(leading dims) × last dim`` matrices (it keeps one factor per dim); tensors that are
+    not preconditioned use the grafting rule; the filtered-gradient state always exists.
 
     Args:
         params: parameters or named parameters (plain tensors, or ``RaggedTensor`` s for fsdp).
-        max_preconditioner_dim: ``B``, the largest block side (≥ 1). One value per optimizer,
-            since it decides the shard layout.
+        grafting: ``None``, ``"sgd"``, ``"adagrad"``, ``"rmsprop"`` or ``"adam"``; its
+            ``grafting_beta2`` (ignored by AdaGrad and SGD) and ``grafting_epsilon``.
+        inverse_exponent_override: ``{order: p}`` or ``{order: {dim: p}}`` (order 2: dim 0 is
+            ``L``, dim 1 is ``R``; order 1: vectors); ``p = 0`` leaves that side unpreconditioned.
+        root_method: ``"eigh"`` or ``"newton"`` (exponents must be ``1 / integer``).
+        max_preconditioner_dim, merge_dims, precondition_1d: the block structure, so one value
+            per optimizer (they decide the shard layout: pass the same to ``shard_policy``).
+        batch_roots: run equal-size eigendecompositions as one batched call: None (default)
+            on CPU, where results are bitwise the per-block path's (tested); True on any
+            device (on CUDA not verified bitwise, so world-size invariance may then differ in
+            the last bits); False one by one (``raggedfsdp.optim.matrix_roots``).
         factor_dtype: dtype of factors and roots; ``None`` = fp32, fp64 for fp64 parameters.
         mesh: ranks for the drop-in mode (see ``ShardedOptimizer``).
 
     After each step ``last_step_stats`` holds this rank's counts: ``eigendecompositions``,
-    ``eigh_cost`` (Σ n³ over them), ``fp64_retries``, ``root_failures``, ``blocks``
-    (preconditioned here), ``owner_slabs`` (cut slabs computed here) and ``bytes_sent`` /
-    ``bytes_received`` / ``bytes_communicated`` (optimizer bytes to or from other ranks).
+    ``eigh_cost`` (Σ n³ over them), ``eigh_batched`` (of them, run in batches),
+    ``fp64_retries``, ``root_failures``, ``newton_roots``, ``newton_iterations``,
+    ``newton_fallbacks``, ``blocks`` (preconditioned here), ``owner_slabs`` (cut slabs computed
+    here) and ``bytes_sent`` / ``bytes_received`` / ``bytes_communicated``.
     """
 
-    _state_keys_depend_on = ("max_preconditioner_dim", "momentum")
+    _state_keys_depend_on = ("max_preconditioner_dim", "momentum", "grafting")
 
     def __init__(
         self,
@@ -390,9 +381,17 @@ class Shampoo(ShardedOptimizer):
         grafting_beta2: float = 0.99,
         grafting_epsilon: float = 1e-10,
         *,
+        grafting: str | None = "adam",
+        inverse_exponent_override: dict[int, Any] | None = None,
+        root_method: str = "eigh",
+        epsilon_before_decomposition: bool = False,
+        merge_dims: bool = False,
+        precondition_1d: bool = False,
+        batch_roots: bool | None = None,
         factor_dtype: torch.dtype | None = None,
         mesh: MeshLike = None,
     ) -> None:
+        override = dict(inverse_exponent_override or {})
         _check_args(
             lr,
             betas,
@@ -406,15 +405,10 @@ class Shampoo(ShardedOptimizer):
             grafting_beta2,
             grafting_epsilon,
         )
+        _check_options(grafting, override, root_method)
         if start_preconditioning_step == -1:
             start_preconditioning_step = precondition_frequency
-        if factor_dtype is not None and not factor_dtype.is_floating_point:
-            raise ValueError(f"factor_dtype={factor_dtype} must be a floating-point dtype")
-        self.max_preconditioner_dim = max_preconditioner_dim
-        self.factor_dtype = factor_dtype
-        self._geometries: dict[Piece, _Geometry] = {}
-        self._cut: dict[tuple[str, ...], _CutSlabs] = {}
-        self.last_step_stats: dict[str, int] = {}
+        self.batch_roots = batch_roots
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -428,216 +422,70 @@ class Shampoo(ShardedOptimizer):
             "use_nesterov": use_nesterov,
             "use_bias_correction": use_bias_correction,
             "use_decoupled_weight_decay": use_decoupled_weight_decay,
+            "grafting": grafting,
             "grafting_beta2": grafting_beta2,
             "grafting_epsilon": grafting_epsilon,
+            "inverse_exponent_override": override,
+            "root_method": root_method,
+            "epsilon_before_decomposition": bool(epsilon_before_decomposition),
         }
-        super().__init__(params, defaults, mesh=mesh)
-
-    # ----------------------------------------------------------------------------- layout
-    @classmethod
-    def shard_policy(cls, max_preconditioner_dim: int = 1024) -> ShardPolicy:
-        """One slab (``min(B, rows)`` whole rows) per unit for parameters of two or more dims, so
-        every ``B × B`` block is whole on one rank; elements for the rest (Adam-grafted only)."""
-        return shampoo_policy(max_preconditioner_dim)
-
-    def _policy(self) -> ShardPolicy:
-        return self.shard_policy(self.max_preconditioner_dim)
-
-    def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
-        if not piece.param.is_floating_point():
-            raise ValueError(
-                f"parameter {piece.name!r} has dtype {piece.param.dtype}; Shampoo needs floating "
-                "point parameters"
-            )
-        if group["max_preconditioner_dim"] != self.max_preconditioner_dim:
-            raise ValueError(
-                f"param group of {piece.name!r} sets max_preconditioner_dim="
-                f"{group['max_preconditioner_dim']!r}, but it decides the shard layout and must "
-                f"be the optimizer's ({self.max_preconditioner_dim})"
-            )
-        if piece.mode == "single" and not piece.param.is_contiguous():
-            raise ValueError(
-                f"parameter {piece.name!r} is not contiguous; Shampoo views it as a matrix "
-                "(p.data = p.data.contiguous())"
-            )
-
-    def _geometry(self, piece: Piece) -> _Geometry:
-        """Blocks of a parameter (of ≥ 2 dims), its slab owners and its factor splits."""
-        if piece in self._geometries:
-            return self._geometries[piece]
-        blocks = ShampooBlocks.of(piece.param.shape, self.max_preconditioner_dim)
-        spec = piece.spec
-        bounds = [0, blocks.rows * blocks.cols] if spec is None else list(spec.bounds)
-        counts = [blocks.slabs_starting_in(a, b) for a, b in itertools.pairwise(bounds)]
-        geo = _Geometry(
-            blocks,
-            bounds,
-            piece.rank,
-            blocks.slab_owners(bounds),
-            sum(counts[: piece.rank]),
-            counts[piece.rank],
+        super().__init__(
+            params,
+            defaults,
+            max_preconditioner_dim=max_preconditioner_dim,
+            merge_dims=merge_dims,
+            precondition_1d=precondition_1d,
+            factor_dtype=factor_dtype,
+            mesh=mesh,
         )
-        for key in _FACTORS:
-            geo.factor_shards[key] = (
-                None
-                if spec is None
-                else RaggedShard.from_counts(
-                    blocks.factor_shape(key[-1]),
-                    blocks.factor_numel_per_slab(key[-1]),
-                    counts,
-                    f"{piece.name}.{key}",
-                )
-            )
-        self._geometries[piece] = geo
-        return geo
 
     # ----------------------------------------------------------------------------- state
-    def _factor_dtype(self, piece: Piece) -> torch.dtype:
-        if self.factor_dtype is not None:
-            return self.factor_dtype
-        return torch.promote_types(piece.param.dtype, torch.float32)
-
     def _state_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
-        keys = _PER_ELEMENT + (("momentum",) if group["momentum"] else ())
+        keys = ["filtered_grad"]
+        keys += ["grafting_v"] if group["grafting"] in _DIAGONAL_GRAFTINGS else []
+        keys += ["momentum"] if group["momentum"] else []
         specs = {key: StateSpec(piece.numel, piece.param.dtype) for key in keys}
-        if not shampoo_blocked(piece.param.shape):
-            return specs
-        geo = self._geometry(piece)
-        dtype = self._factor_dtype(piece)
-        for key in _FACTORS:
-            numel = geo.num_owned * geo.blocks.factor_numel_per_slab(key[-1])
-            shape = geo.blocks.factor_shape(key[-1])
-            specs[key] = StateSpec(numel, dtype, shape, geo.factor_shards[key])
+        if self._preconditioned(piece):
+            specs |= self._slab_specs(piece, group)
         return specs
 
-    def _new_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
-        return torch.tensor(0.0, dtype=torch.float32)
-
-    def _factors(self, piece: Piece) -> dict[str, Tensor]:
-        """This rank's factor tensors, ``(owned slabs, blocks per slab, b, b)``."""
-        geo = self._geometry(piece)
-        state = self.state[piece.param]
-        out = {}
-        for key in _FACTORS:
-            _, col_blocks, side, _ = geo.blocks.factor_shape(key[-1])
-            out[key] = unwrap(state[key]).view(geo.num_owned, col_blocks, side, side)
-        return out
+    def _slab_shapes(self, blocks: ShampooBlocks, group: dict[str, Any]) -> dict[str, tuple]:
+        """Factors and inverse roots, ``(slabs, blocks per slab, b, b)`` each."""
+        sides = blocks.factors
+        keys = [f"factor_{s}" for s in sides] + [f"inv_root_{s}" for s in sides]
+        return {key: blocks.factor_shape(key[-1]) for key in keys}
 
     # ----------------------------------------------------------------------------- update
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
         """Steps 1, 2, 4 and 5 per piece; 3, 6 and 7 per block, where the block lies or on
         its owner; 8 per piece."""
-        h = _Hyper.of(group, step)
-        stats = dict.fromkeys(_STATS, 0)
-        work = [self._adam_direction(pc, group, h) for pc in pieces]
-        blocked = [w for w in work if shampoo_blocked(w.piece.param.shape)]
-        for w in blocked:
-            self._whole_slabs(w, h, stats)
-        self._cut_slabs(blocked, h, stats)
+        h = _Hyper.of(group, step, self.batch_roots)
+        stats = self._stats(_STATS)
+        work = [self._diagonal(pc, group, h) for pc in pieces]
+        blocked = [SlabWork(w.piece, w.inputs, w.direction) for w in work]
+        blocked = [sw for sw in blocked if self._preconditioned(sw.piece)]
+        if blocked:
+            self._runner.run(
+                blocked, lambda tasks: shampoo_slabs(tasks, self._slab_state, h, stats), stats
+            )
         for w in work:
             self._apply(w, group)
-        stats["bytes_communicated"] = stats["bytes_sent"] + stats["bytes_received"]
-        self.last_step_stats = stats
 
-    def _adam_direction(self, pc: Piece, group: dict[str, Any], h: _Hyper) -> _Work:
+    def _diagonal(self, pc: Piece, group: dict[str, Any], h: _Hyper) -> _Work:
         """Steps 1, 2, 4 and 5 on this rank's piece (element-wise, flat)."""
         p = pc.local().view(-1)
         g = pc.local_grad().view(-1)
         state = self.state[pc.param]
         if group["weight_decay"] and not group["use_decoupled_weight_decay"]:
             g = add_weight_decay(g, p, group["weight_decay"])
-        v = unwrap(state["grafting_v"]).view(-1)
-        update_grafting_(v, g, h.graft_beta2)
+        v = unwrap(state["grafting_v"]).view(-1) if "grafting_v" in state else None
+        if v is not None:
+            update_grafting_(v, g, h.graft_beta2)
         f = unwrap(state["filtered_grad"]).view(-1)
         f_hat = filter_gradient_(f, g, h.beta1, h.t, h.bias_correction)
-        a = adam_direction(f_hat, v, h.t, h.graft_beta2, h.graft_eps, h.bias_correction)
-        return _Work(pc, p, _Inputs(g, f_hat, a), a.clone())
-
-    def _whole_slabs(self, w: _Work, h: _Hyper, stats: dict[str, int]) -> None:
-        """Steps 3, 6 and 7 on the slabs that lie whole on this rank."""
-        geo = self._geometry(w.piece)
-        factors = self._factors(w.piece)
-        for i in range(geo.blocks.num_slabs):
-            if not geo.is_local(i):
-                continue
-            held = geo.held(i)
-            slab = w.inputs.slab(held, geo.blocks.cols)
-            out = shampoo_slab(geo.blocks, factors, i - geo.first_owned, slab, h, stats)
-            w.direction[held] = out.view(-1)
-
-    def _cut_slabs(self, blocked: list[_Work], h: _Hyper, stats: dict[str, int]) -> None:
-        """Steps 3, 6 and 7 on the slabs that a forced layout cut: ``g``, ``f̂`` and ``a`` go to
-        the slab's owner, which runs ``shampoo_slab``, and the direction comes back."""
-        cut = self._cut_plan([w.piece for w in blocked])
-        if not cut.slabs:
-            return
-        work = {w.piece: w for w in blocked}
-        like = blocked[0].inputs.grad
-        group = cut.slabs[0][0].pgroup
-
-        def held(name: str) -> Callable[[int], Tensor]:
-            def part(j: int) -> Tensor:
-                pc, i = cut.slabs[j]
-                return getattr(work[pc].inputs, name)[self._geometry(pc).held(i)]
-
-            return part
-
-        owned = {name: cut.plan.to_owners(held(name), like, group)[1] for name in _INPUTS}
-        outs = [self._owned_slab(cut, n, owned, h, stats) for n in range(len(owned["grad"]))]
-        back = cut.plan.to_holders(torch.cat(outs) if outs else like.new_empty(0), group)
-        for j, part in back.items():
-            pc, i = cut.slabs[j]
-            work[pc].direction[self._geometry(pc).held(i)] = part
-        size = like.element_size()
-        ex = cut.plan
-        stats["bytes_sent"] += (3 * ex.elements_sent + ex.elements_received) * size
-        stats["bytes_received"] += (3 * ex.elements_received + ex.elements_sent) * size
-
-    def _owned_slab(
-        self,
-        cut: _CutSlabs,
-        n: int,
-        owned: dict[str, list[Tensor]],
-        h: _Hyper,
-        stats: dict[str, int],
-    ) -> Tensor:
-        """The flat direction of the ``n``-th cut slab this rank owns, from its assembled
-        ``owned`` inputs."""
-        pc, i = cut.slabs[cut.plan.owned_jobs[n]]
-        geo = self._geometry(pc)
-        inputs = _Inputs(*(owned[name][n] for name in _INPUTS)).slab(slice(None), geo.blocks.cols)
-        out = shampoo_slab(geo.blocks, self._factors(pc), i - geo.first_owned, inputs, h, stats)
-        stats["owner_slabs"] += 1
-        return out.view(-1)
-
-    def _cut_plan(self, pieces: list[Piece]) -> _CutSlabs:
-        """Every cut slab of these pieces as an owner-compute job, the same on every rank
-        (built from the global splits, then cached)."""
-        key = tuple(pc.name for pc in pieces)
-        if key in self._cut:
-            return self._cut[key]
-        jobs, slabs, groups = [], [], set()
-        for pc in pieces:
-            if pc.spec is None:
-                continue  # single mode: every slab is whole
-            geo = self._geometry(pc)
-            for i in range(geo.blocks.num_slabs):
-                start, stop = geo.blocks.slab_range(i)
-                job = Job.spanning(start, stop, geo.bounds, float(stop - start))
-                if job.sole_holder is None:
-                    jobs.append(job)
-                    slabs.append((pc, i))
-                    groups.add(id(pc.pgroup))
-        if len(groups) > 1:
-            raise ValueError(
-                "Shampoo: parameters whose blocks are cut by their layout must share one "
-                "process group in a param group"
-            )
-        world = slabs[0][0].spec.world_size if slabs else 1
-        rank = slabs[0][0].rank if slabs else 0
-        owners = [self._geometry(pc).owners[i] for pc, i in slabs]
-        self._cut[key] = _CutSlabs(ExchangePlan(jobs, owners, rank, world), slabs)
-        return self._cut[key]
+        a = grafting_direction(f_hat, v, h)
+        inputs = {"grad": g, "filtered": f_hat} | ({"graft": a} if a is not None else {})
+        return _Work(pc, p, inputs, (f_hat if a is None else a).clone())
 
     def _apply(self, w: _Work, group: dict[str, Any]) -> None:
         """Step 8: decoupled weight decay, momentum, ``p -= lr · d``."""
@@ -648,6 +496,37 @@ class Shampoo(ShardedOptimizer):
             m = unwrap(self.state[w.piece.param]["momentum"]).view(-1)
             d = add_momentum_(d, m, group["momentum"], group["dampening"], group["use_nesterov"])
         w.param.add_(d, alpha=-group["lr"])
+
+
+def _check_options(grafting: Any, override: dict[Any, Any], root_method: Any) -> None:
+    """The options DistributedShampoo takes as configs: grafting, inverse exponents, roots."""
+    if grafting not in GRAFTINGS:
+        raise ValueError(f"Invalid grafting: {grafting!r}. Choose one of {list(GRAFTINGS)}")
+    if root_method not in ROOT_METHODS:
+        raise ValueError(
+            f"Invalid root_method: {root_method!r}. Choose one of {list(ROOT_METHODS)}"
+        )
+    for order, value in override.items():
+        if not isinstance(order, int) or order < 0:
+            raise ValueError(
+                f"Invalid inverse_exponent_override key {order!r}: tensor orders are ints >= 0"
+            )
+        values = value.values() if isinstance(value, dict) else [value]
+        if isinstance(value, dict) and any(d not in range(max(order, 1)) for d in value):
+            raise ValueError(
+                f"Invalid inverse_exponent_override[{order}]={value!r}: dims must be in "
+                f"[0, {max(order - 1, 0)}]"
+            )
+        for p in values:
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or p < 0:
+                raise ValueError(
+                    f"Invalid inverse_exponent_override[{order}]={value!r}: exponents are >= 0"
+                )
+            if root_method == "newton" and p > 0 and abs(1 / p - round(1 / p)) > 1e-12:
+                raise ValueError(
+                    f"inverse_exponent_override[{order}]={value!r} with root_method='newton': "
+                    "coupled Newton computes A^(-1/r) for integer r only; use root_method='eigh'"
+                )
 
 
 def _check_args(

@@ -123,6 +123,8 @@ class ShardedState(OptimizerHooks):
             self._copy_state(self._pieces[p], saved)
             values[p] = float(saved["step"])
         for gi, (g, sg) in enumerate(zip(groups, saved_groups, strict=True)):
+            for key, value in g.items():  # options newer than the checkpoint keep this group's
+                sg.setdefault(key, value)
             sg["params"] = g["params"]
             if "param_names" in g:
                 sg["param_names"] = g["param_names"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raggedfsdp.sharding.ragged_shard import row_numel
-from raggedfsdp.sharding.units import shampoo_slab_rows
+from raggedfsdp.sharding.units import shampoo_matrix
 
 __all__ = ["QuantBlocks", "ShampooBlocks"]
 
@@ -80,22 +80,39 @@ class QuantBlocks:
 
 @dataclass(frozen=True)
 class ShampooBlocks:
-    """Shampoo's blocks of one tensor of 2+ dims: its ``rows × cols`` view (``cols`` = last dim)
-    cut into blocks of at most ``B × B``. A *slab* is one row of blocks (``slab_rows`` whole
-    rows). Factors are stored per slab as ``(col_blocks, side, side)`` with ``side =
-    slab_rows`` for ``L`` and ``block_cols`` for ``R`` (edge blocks zero-padded in the corner),
-    and each slab's factors live on the rank holding the slab's first element."""
+    """Shampoo's (and SOAP's) blocks of one preconditioned tensor: its ``rows × cols`` matrix
+    view (``units.shampoo_matrix``: ``prod(leading dims) × last dim``, after DistributedShampoo's
+    dim merging when asked; a vector is an ``n × 1`` column) cut into blocks of at most
+    ``B × B``. A *slab* is one row of blocks (``slab_rows`` whole rows). Order-2 blocks keep a
+    left factor ``L`` and a right factor ``R``; order-1 blocks (vectors) keep ``L`` only. Factors
+    are stored per slab as ``(col_blocks, side, side)`` with ``side = slab_rows`` for ``L`` and
+    ``block_cols`` for ``R`` (edge blocks zero-padded in the corner), and each slab's factors
+    live on the rank holding the slab's first element."""
 
     rows: int
     cols: int
     slab_rows: int
     block_cols: int
+    order: int = 2
 
     @classmethod
-    def of(cls, shape: Sequence[int], max_dim: int) -> ShampooBlocks:
-        cols = row_numel(tuple(shape))
-        rows = math.prod(shape) // cols
-        return cls(rows, cols, shampoo_slab_rows(shape, max_dim), min(max_dim, cols))
+    def of(
+        cls,
+        shape: Sequence[int],
+        max_dim: int,
+        merge_dims: bool = False,
+        precondition_1d: bool = False,
+    ) -> ShampooBlocks:
+        view = shampoo_matrix(shape, max_dim, merge_dims, precondition_1d)
+        if view is None:
+            raise ValueError(f"shape {tuple(shape)} is not preconditioned with blocks")
+        rows, cols, order = view
+        return cls(rows, cols, min(max_dim, rows), min(max_dim, cols), order)
+
+    @property
+    def factors(self) -> tuple[str, ...]:
+        """The factor sides this geometry keeps: ``("L", "R")``, or ``("L",)`` for vectors."""
+        return ("L", "R") if self.order == 2 else ("L",)
 
     @property
     def num_slabs(self) -> int:

@@ -30,6 +30,7 @@ import itertools
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -314,17 +315,18 @@ class _Packer:
         """Offsets per tensor (input order) if all fit in ``world * seg`` elements, else None."""
         limit = world * seg
         offsets = [0] * len(self.sizes)
-        gaps: list[tuple[int, int]] = []  # [start, stop) holes left by padding, in buffer order
+        holes = _Holes(self.align)
         cursor = 0
         for i in order:
             numel, unit, step = self.sizes[i]
-            if self._fill_gap(gaps, i, seg, offsets):
+            start = holes.fill(numel, unit, step, seg)
+            if start >= 0:
+                offsets[i] = start
                 continue
             start = _earliest_start(cursor, numel, unit, step, seg, self.align)
             if start < 0 or start + numel > limit:
                 return None
-            if start - cursor >= self.align:
-                gaps.append((cursor, start))
+            holes.add(cursor, start)
             offsets[i] = start
             cursor = start + numel
         return offsets
@@ -357,18 +359,40 @@ class _Packer:
             cursor = best_start + best[0]
         return offsets
 
-    def _fill_gap(self, gaps: list[tuple[int, int]], i: int, seg: int, offsets: list[int]) -> bool:
-        """Place tensor ``i`` in the first padding gap it fits in (first fit)."""
-        numel, unit, step = self.sizes[i]
-        for g, (lo, hi) in enumerate(gaps):
+
+class _Holes:
+    """The padding holes a packing has left behind the cursor, in buffer order, for first fit.
+
+    A group of hundreds of experts leaves a hole at almost every segment boundary, and most
+    tensors (the experts themselves) are far larger than any hole; ``widest`` (the largest hole's
+    size) lets those skip the scan, so a packing costs O(T) instead of O(T x holes). The answer
+    is the same as scanning every hole.
+    """
+
+    def __init__(self, align: int) -> None:
+        self.align = align
+        self.spans: list[tuple[int, int]] = []  # [start, stop)
+        self.widest = 0
+
+    def add(self, start: int, stop: int) -> None:
+        """Record the padding ``[start, stop)`` if at least one aligned tensor could use it."""
+        if stop - start >= self.align:
+            self.spans.append((start, stop))
+            self.widest = max(self.widest, stop - start)
+
+    def fill(self, numel: int, unit: int, step: int, seg: int) -> int:
+        """Place a tensor in the first hole it fits in (first fit): its start, or -1."""
+        if numel > self.widest:
+            return -1
+        for h, (lo, hi) in enumerate(self.spans):
             if hi - lo < numel:
                 continue
             start = _earliest_start(lo, numel, unit, step, seg, self.align)
             if start >= 0 and start + numel <= hi:
-                offsets[i] = start
-                gaps[g : g + 1] = [(lo, start), (_align_up(start + numel, self.align), hi)]
-                return True
-        return False
+                self.spans[h : h + 1] = [(lo, start), (_align_up(start + numel, self.align), hi)]
+                self.widest = max((b - a for a, b in self.spans), default=0)
+                return start
+        return -1
 
 
 # --------------------------------------------------------------------------------- the search
@@ -378,8 +402,7 @@ def _validate(tensors: Sequence[TensorSpec], world_size: int, alignment_bytes: i
         raise ValueError(f"world_size={world_size!r} must be an int >= 1 (ranks in the shard dim)")
     if not tensors:
         raise ValueError("tensors is empty: a group needs at least one tensor to plan")
-    names = [t.name for t in tensors]
-    dupes = sorted({n for n in names if names.count(n) > 1})
+    dupes = sorted(n for n, k in Counter(t.name for t in tensors).items() if k > 1)
     if dupes:
         raise ValueError(f"tensor names must be unique in a group; repeated: {dupes}")
     itemsize = dtype_itemsize(tensors[0].dtype)

@@ -14,10 +14,13 @@ checked for 100,000 ranks in a planner or a capacity simulation.
 from __future__ import annotations
 
 import math
+from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import accumulate
+from operator import sub
 
 __all__ = ["Box", "RaggedShard", "flat_range_to_boxes", "row_numel"]
 
@@ -118,19 +121,28 @@ class RaggedShard:
                 f"{who}: unit={self.unit!r} must be a positive number of elements "
                 "(use 1 for element-wise sharding, k * row_numel(shape) for k rows)"
             )
-        if not self.units_per_rank:
+        counts = self.units_per_rank
+        if not counts:
             raise ValueError(f"{who}: units_per_rank is empty; give one count per rank (W >= 1)")
-        if any(not isinstance(c, int) or c < 0 for c in self.units_per_rank):
+        # builtins over the whole tuple (no Python loop): specs are built for 100,000 ranks
+        if not all(issubclass(kind, int) for kind in set(map(type, counts))) or min(counts) < 0:
             raise ValueError(
-                f"{who}: units_per_rank={self.units_per_rank} must be non-negative ints; "
+                f"{who}: units_per_rank={_abridged(counts)} must be non-negative ints; "
                 "a rank that holds nothing gets 0"
             )
-        if sum(self.units_per_rank) != self.num_units:
+        if sum(counts) != self.num_units:
             raise ValueError(
-                f"{who}: units_per_rank sums to {sum(self.units_per_rank)} but the tensor of "
+                f"{who}: units_per_rank sums to {sum(counts)} but the tensor of "
                 f"{self.numel} elements has {self.num_units} units of {self.unit}; "
                 "make the counts sum to ceil(numel / unit)"
             )
+
+    def __repr__(self) -> str:  # error messages quote specs: not 100,000 counts
+        name = f", name={self.name!r}" if self.name else ""
+        return (
+            f"RaggedShard(shape={self.shape}, unit={self.unit}, "
+            f"units_per_rank={_abridged(self.units_per_rank)}{name})"
+        )
 
     # ----------------------------------------------------------------------------- constructors
     @classmethod
@@ -201,16 +213,24 @@ class RaggedShard:
         return len(self.units_per_rank)
 
     @cached_property
-    def unit_offsets(self) -> tuple[int, ...]:
+    def unit_offsets(self) -> Sequence[int]:
         """First unit index of each rank (length W + 1, the last entry is ``num_units``);
-        computed once, so per-rank queries are O(1)."""
-        return (0, *accumulate(self.units_per_rank))
+        computed once, so per-rank queries are O(1). Kept as 8-byte ints (``array``), not a
+        tuple of int objects: at 100,000 ranks that is 0.8 MB per tensor instead of ~4 MB."""
+        return array("q", (0, *accumulate(self.units_per_rank)))
 
     @cached_property
-    def bounds(self) -> tuple[int, ...]:
+    def bounds(self) -> Sequence[int]:
         """First element of each rank's piece in the flat storage, plus the end (W + 1
-        entries): rank r holds ``[bounds[r], bounds[r + 1])``."""
-        return tuple(min(u * self.unit, self.numel) for u in self.unit_offsets)
+        entries): rank r holds ``[bounds[r], bounds[r + 1])``. Counted in whole units, only
+        the ranks after the holder of a short last unit would start past ``numel``: they are
+        clipped together, so no Python-level loop runs over the ranks."""
+        offsets = self.unit_offsets
+        whole = array("q", map(self.unit.__mul__, offsets))
+        if whole[-1] == self.numel:
+            return whole
+        tail = bisect_left(offsets, offsets[-1])  # ranks after the last unit's holder
+        return whole[:tail] + array("q", (self.numel,)) * (len(whole) - tail)
 
     def unit_range(self, rank: int) -> range:
         """Global unit indices held by ``rank`` (empty when the rank holds none)."""
@@ -234,7 +254,9 @@ class RaggedShard:
 
     @property
     def lengths(self) -> tuple[int, ...]:
-        return tuple(self.length(r) for r in range(self.world_size))
+        """Elements each rank holds (W entries): O(W) from ``bounds``, with no per-rank call."""
+        bounds = self.bounds
+        return tuple(map(sub, bounds[1:], bounds))
 
     def row_range(self, rank: int) -> range:
         """Rows (of the ``(numel // row_numel, row_numel)`` view, see ``row_numel``) that
@@ -248,13 +270,28 @@ class RaggedShard:
         return range(start // rn, -(-stop // rn))
 
     def boxes(self, rank: int) -> list[Box]:
-        """Rectangular boxes covering ``rank``'s flat range, for checkpoint chunks."""
+        """Rectangular boxes covering ``rank``'s flat range, for checkpoint chunks.
+
+        A tensor with no elements (``nn.Linear(0, 4)``'s ``(4, 0)`` weight) is one empty box
+        on rank 0: a checkpoint records only the tensors some rank writes a chunk of, so with
+        no box anywhere it would be missing at load (a plain empty tensor is one chunk too).
+        """
         start, stop = self.local_range(rank)
+        if self.numel == 0:
+            return [Box((0,) * len(self.shape), self.shape)] if rank == 0 else []
         return flat_range_to_boxes(self.shape, start, stop)
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is outside this shard's world of {self.world_size}")
+
+
+def _abridged(counts: tuple[int, ...]) -> str:
+    """``counts`` for an error message: at most 8 entries shown, since W may be 100,000."""
+    if len(counts) <= 8:
+        return str(counts)
+    head, tail = ", ".join(map(str, counts[:4])), ", ".join(map(str, counts[-4:]))
+    return f"({head}, <{len(counts) - 8:,} more>, {tail})"
 
 
 def _num_units(numel: int, unit: int) -> int:

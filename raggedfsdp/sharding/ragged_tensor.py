@@ -8,12 +8,15 @@ elements those are.
 
 Element-wise math works directly on it: pointwise ops (``mul_``, ``lerp_``, ``addcdiv_``...),
 their ``_foreach_`` forms and ``*_like`` factories run on the local pieces when every ragged
-operand has the same spec, which is all ``torch.optim.AdamW`` and friends need. Random fills
-(``nn.init``) draw what one process would draw and keep the local piece; ``any()``, ``all()``
-and whole-tensor norms (``torch.nn.utils.clip_grad_norm_``) answer for the whole tensor with
-one small all-reduce, so models can be initialised and clipped as usual. Anything else that
-would need other ranks' data (matmul, other reductions, views) raises an error that says what
-to do instead: ``full_tensor()`` to gather, ``.local`` for per-rank math.
+operand has the same spec (plain tensors take part as scalars only), which is all
+``torch.optim.AdamW`` and friends need. Random fills (``nn.init``) draw what one process would
+draw and keep the local piece. Whatever answers for the whole tensor (``sum``, ``max``, ``any``,
+norms, ``torch.equal``, ``allclose``, ``item()``, ``bool()``...) gives every rank torch's answer
+on the gathered tensor, NaN and dtype rules included, with one small all-reduce, so models can
+be initialised, clipped and checked as usual, and ranks that branch on an answer agree.
+Anything else that would need other ranks' data (matmul, other reductions, views, indices)
+raises an error that says what to do instead: ``full_tensor()`` to gather, ``.local`` for
+per-rank math; never a local answer.
 
 It also speaks DCP's checkpoint protocol: a rank's flat range is written as the rectangular boxes
 it covers, so ``torch.distributed.checkpoint`` saves without gathering and loads at any other
@@ -22,14 +25,16 @@ world size or layout.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from raggedfsdp.comm.nan_safe import WholeReduce, all_reduce_nan_safe
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard
 
 __all__ = ["RaggedTensor"]
@@ -114,19 +119,29 @@ class RaggedTensor(torch.Tensor):
     def full_tensor(self) -> torch.Tensor:
         """Gather the whole tensor on every rank (for inspection and tests, not the hot path).
 
-        Uses an all-gather of pieces padded to the longest one: gloo has no uneven all-gather.
+        gloo has no uneven all-gather, so pieces of about even length travel in one all-gather
+        padded to the longest. A tensor that only some ranks hold (most tensors of a planned
+        group at large W) would make that gather as large as the whole group's buffer, so it
+        travels as one all-reduce of its bytes instead: each rank writes its range over zeros,
+        and a byte sum with one non-zero term is exact (``-0.0`` and NaN payloads included).
+        Which way is decided from the spec alone, the same on every rank.
         """
-        spec = self._spec
-        world = spec.world_size
-        if world == 1:
-            return self._local.detach().clone().view(spec.shape)
-        longest = max(spec.lengths)
-        padded = self._local.new_zeros(longest)
-        padded[: self._local.numel()] = self._local.detach()
-        gathered = self._local.new_empty(world * longest)
+        spec, local = self._spec, self._local.detach()
+        if spec.world_size == 1 or spec.numel == 0:
+            return local.clone().view(spec.shape)
+        lengths = spec.lengths
+        longest = max(lengths)
+        if spec.world_size * longest > 2 * spec.numel:
+            whole = local.new_zeros(spec.numel)
+            start, stop = self.local_range
+            whole[start:stop] = local
+            dist.all_reduce(whole.view(torch.uint8), op=dist.ReduceOp.SUM, group=self.group)
+            return whole.view(spec.shape)
+        padded = local.new_zeros(longest)
+        padded[: local.numel()] = local
+        gathered = local.new_empty(spec.world_size * longest)
         dist.all_gather_single(gathered, padded, group=self.group)
-        pieces = [gathered[r * longest : r * longest + spec.length(r)] for r in range(world)]
-        return torch.cat(pieces).view(spec.shape)
+        return _unpadded(gathered, lengths, longest).view(spec.shape)
 
     def __repr__(self) -> str:  # the default repr would dispatch ops we refuse
         return (
@@ -205,6 +220,17 @@ class RaggedTensor(torch.Tensor):
         raise ValueError(f"{index.fqn}: no local chunk at offset {tuple(index.offset)}")
 
 
+def _unpadded(gathered: torch.Tensor, lengths: tuple[int, ...], longest: int) -> torch.Tensor:
+    """The pieces of a padded all-gather (rank r's ``lengths[r]`` elements at ``r * longest``)
+    back to back: one mask over the ``(W, longest)`` view, not one slice per rank (100,000
+    slices take seconds), so the cost is that of the gathered data."""
+    if lengths[0] == longest and len(set(lengths[:-1])) == 1:  # even but for a shorter last
+        return gathered[: sum(lengths)]
+    held = torch.tensor(lengths, device=gathered.device)
+    keep = torch.arange(longest, device=gathered.device) < held[:, None]
+    return gathered.view(len(lengths), longest)[keep]
+
+
 # --------------------------------------------------------------------------------- op handlers
 def _assemble(
     local: torch.Tensor,
@@ -241,13 +267,46 @@ def _spec_of(tensors: list[RaggedTensor]) -> RaggedTensor:
     return first
 
 
-def _check_no_plain_tensors(operands: list[Any], like: RaggedTensor) -> None:
-    for a in operands:
-        if isinstance(a, torch.Tensor) and not isinstance(a, RaggedTensor) and a.numel() > 1:
-            raise ValueError(
-                f"mixing a RaggedTensor ({like._spec.name!r}) with a plain tensor of shape "
-                f"{tuple(a.shape)}: wrap it with the same RaggedShard, or use .local"
-            )
+def _check_plain(a: torch.Tensor, like: RaggedTensor) -> None:
+    """Refuse a plain tensor operand whose broadcast against ``like`` would not keep ``like``'s
+    global shape and elements: only a one-element tensor with at most ``like``'s dims broadcasts
+    to every element alike. Anything else would pair this rank's piece with the wrong elements
+    or give another shape than torch does, so it is refused rather than answered locally."""
+    if a.numel() != 1:
+        raise ValueError(
+            f"mixing a RaggedTensor ({like._spec.name!r}) with a plain tensor of shape "
+            f"{tuple(a.shape)}: element-wise math on a RaggedTensor of shape "
+            f"{tuple(like.shape)} takes scalars (0-d or one-element tensors) and RaggedTensors "
+            "with the same RaggedShard; wrap it with the same RaggedShard, or use .local / "
+            ".full_tensor()"
+        )
+    if a.dim() > like.dim():
+        raise ValueError(
+            f"broadcasting a RaggedTensor ({like._spec.name!r}) of shape {tuple(like.shape)} with "
+            f"a plain tensor of shape {tuple(a.shape)} gives shape "
+            f"{tuple(torch.broadcast_shapes(like.shape, a.shape))}, which a RaggedTensor split "
+            "as this one cannot hold; squeeze the plain tensor, or use .full_tensor()"
+        )
+
+
+def _plain_operand(a: torch.Tensor, like: RaggedTensor) -> torch.Tensor:
+    """A plain tensor operand as the op on ``like``'s 1-D local piece must see it: checked by
+    ``_check_plain``, and as a ``(1,)`` tensor unless torch ranks it below ``like`` in type
+    promotion (a 0-d tensor against a dimensioned one), so that shapes and dtypes come out as
+    torch's on the whole tensor: the local piece is always dimensioned, and a ``(1, 1)`` operand
+    would turn it into a row. A 0-d CPU tensor beside a piece on another device stays 0-d:
+    torch takes it there as a scalar only."""
+    if a.dim() == 0 and (like.dim() > 0 or a.device != like.device):
+        return a  # the common case (lr, betas, step): a scalar both ways
+    _check_plain(a, like)
+    return a.reshape(1)
+
+
+def _local_operand(a: Any, like: RaggedTensor) -> Any:
+    """What the op on ``like``'s local piece takes for the operand ``a``."""
+    if isinstance(a, RaggedTensor):
+        return a._local
+    return _plain_operand(a, like) if isinstance(a, torch.Tensor) else a
 
 
 def _wrap(out: Any, like: RaggedTensor) -> Any:
@@ -268,18 +327,19 @@ def _pointwise(func, args, kwargs):
     """Element-wise ops run on the local pieces. Their operands are tensors, scalars or None, so
     one flat pass unwraps them (pytree's traversals cost 5x the op itself in a per-tensor
     optimizer step); nested operands, which no pointwise aten op takes today, go through
-    pytree."""
+    pytree. Plain tensor operands broadcast only as scalars (``_plain_operand``)."""
     operands = [*args, *kwargs.values()]
-    if any(isinstance(a, (list, tuple, dict)) for a in operands):
+    nested = any(isinstance(a, (list, tuple, dict)) for a in operands)
+    if nested:
         operands = tree_flatten((args, kwargs))[0]
-        unwrapped_args, unwrapped_kwargs = _unwrap(args), _unwrap(kwargs)
-    else:
-        unwrapped_args = [a._local if isinstance(a, RaggedTensor) else a for a in args]
-        unwrapped_kwargs = {
-            k: v._local if isinstance(v, RaggedTensor) else v for k, v in kwargs.items()
-        }
     like = _spec_of([a for a in operands if isinstance(a, RaggedTensor)])
-    _check_no_plain_tensors(operands, like)
+    if nested:
+        unwrapped_args, unwrapped_kwargs = tree_map_only(
+            torch.Tensor, lambda a: _local_operand(a, like), (args, kwargs)
+        )
+    else:
+        unwrapped_args = [_local_operand(a, like) for a in args]
+        unwrapped_kwargs = {k: _local_operand(v, like) for k, v in kwargs.items()}
     out = func(*unwrapped_args, **unwrapped_kwargs)
     if func._schema.is_mutable:  # in-place / out=: the ragged operands were updated in place
         return args[0]
@@ -299,7 +359,7 @@ def _foreach(func, args, kwargs):
             and any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
         )
     )
-    if not elementwise:
+    if not elementwise or base == "max":  # max.other is pointwise, _foreach_max reduces
         raise NotImplementedError(
             f"{func.name()} is not element-wise; on RaggedTensors gather with .full_tensor(), or "
             "use .local for per-rank math"
@@ -308,16 +368,33 @@ def _foreach(func, args, kwargs):
         a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)
     ]
     for i in range(len(lists[0])):
-        ragged = [lst[i] for lst in lists if isinstance(lst[i], RaggedTensor)]
+        items = [lst[i] for lst in lists]
+        ragged = [t for t in items if isinstance(t, RaggedTensor)]
         if ragged:
-            _spec_of(ragged)
+            like = _spec_of(ragged)
+            if len(ragged) < len(items):  # plain tensors beside a piece: scalars only
+                for t in items:
+                    if not isinstance(t, RaggedTensor) and t.dim() > 0:
+                        _check_plain(t, like)
     out = func(*_unwrap(args), **_unwrap(kwargs))
     if out is None or func._schema.is_mutable:
         return out
     return [
-        _wrap(o, like) if isinstance(like, RaggedTensor) else o
+        _wrap_piece(o, like, func) if isinstance(like, RaggedTensor) else o
         for o, like in zip(out, lists[0], strict=True)
     ]
+
+
+def _wrap_piece(out: torch.Tensor, like: RaggedTensor, func: Any) -> RaggedTensor:
+    """One result of an element-wise list op, which must be shaped like ``like``'s piece (a
+    one-element operand of higher rank would have turned it into a row)."""
+    if out.shape != like._local.shape:
+        raise NotImplementedError(
+            f"{func.name()} gave a result of shape {tuple(out.shape)} for the piece of "
+            f"{like._spec.name!r} (shape {tuple(like._local.shape)}): only element-wise results "
+            "keep their meaning per rank; gather with .full_tensor(), or use .local"
+        )
+    return _sibling(out, like)
 
 
 def _like_factory(func, args, kwargs):
@@ -354,8 +431,11 @@ def _copy_(func, args, kwargs):
         elif src.numel() == dst.numel():  # a full tensor: keep this rank's piece of it
             start, stop = dst.local_range
             dst._local.copy_(src.reshape(-1)[start:stop], **kwargs)
-        else:
-            dst._local.copy_(src, **kwargs)  # scalar broadcast
+        elif src.numel() == 1:  # a scalar: every element alike (torch's error for more dims)
+            dst._local.copy_(src.expand(dst.shape)[(0,) * dst.dim()], **kwargs)
+        else:  # broadcast to the whole shape as torch does (its error where it cannot)
+            start, stop = dst.local_range
+            dst._local.copy_(src.expand(dst.shape).reshape(-1)[start:stop], **kwargs)
         return dst
     raise NotImplementedError("copying a RaggedTensor into a plain tensor: use .full_tensor()")
 
@@ -385,26 +465,69 @@ def _named_arguments(func, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
 
 
-def _combined(value: torch.Tensor, like: RaggedTensor, op: dist.ReduceOp) -> torch.Tensor:
-    """``value`` all-reduced over ``like``'s process group (as is for a single rank)."""
-    if like._spec.world_size > 1:
-        dist.all_reduce(value, op=op, group=like.group)
-    return value
+def _combined(value: torch.Tensor, like: RaggedTensor, op: WholeReduce) -> torch.Tensor:
+    """``value`` combined over ``like``'s process group by ``op``, NaN propagating as in torch's
+    reductions whatever the backend (as is for a single rank)."""
+    if like._spec.world_size == 1:
+        return value
+    return all_reduce_nan_safe(value, op, like.group)
+
+
+def _empty_whole(src: torch.Tensor) -> torch.Tensor:
+    """A plain empty tensor standing for ``src`` when ``src`` has no elements: no rank holds
+    any and shapes are global, so torch's own answer (or error) on it is every rank's answer."""
+    return torch.empty(src.shape, dtype=src.dtype, device=src.device)
+
+
+def _identity(op: WholeReduce, like: torch.Tensor) -> torch.Tensor:
+    """The part of a rank that holds none of the tensor: the combining op's identity."""
+    if op == "sum":
+        return like.new_zeros(())
+    if like.is_floating_point():
+        return like.new_tensor(-math.inf if op == "max" else math.inf)
+    info = torch.iinfo(like.dtype)
+    return like.new_tensor(info.min if op == "max" else info.max)
 
 
 def _any_or_all(func, args, kwargs):
     """``t.any()`` / ``t.all()`` over the whole tensor: one small all-reduce, so every rank
     gets the same answer (``nn.init.trunc_normal_`` loops until no sample is out of range)."""
     src = args[0]
-    op = dist.ReduceOp.MAX if func is aten.any.default else dist.ReduceOp.MIN
-    return _combined(func(src._local).to(torch.uint8), src, op).bool()
+    op = "max" if func is aten.any.default else "min"
+    local = func(src._local)  # bool, or uint8 for uint8 tensors as in torch
+    return _combined(local.to(torch.uint8), src, op).to(local.dtype)
+
+
+@functools.cache
+def _norm_dtypes(dtype: torch.dtype, out: torch.dtype | None) -> tuple[torch.dtype, torch.dtype]:
+    """``(accumulate, result)`` dtypes of a norm of ``dtype`` elements asked as ``out``, by
+    torch's rules (and its errors, e.g. for integers): float64 results accumulate in float64,
+    the others in float32, as torch's own kernels do."""
+    result = torch.linalg.vector_norm(torch.zeros(1, dtype=dtype), dtype=out).dtype
+    return (torch.float64 if result == torch.float64 else torch.float32), result
+
+
+def _norm_part(t: torch.Tensor, order: float, accumulate: torch.dtype) -> torch.Tensor:
+    """This rank's part of the ``order``-norm of the whole tensor ``t`` (from the local piece
+    of a RaggedTensor, from all of a plain tensor), in ``accumulate``: ``max |x|`` or
+    ``min |x|`` for ``±inf`` (the identity for an empty piece), the count of non-zeros for 0,
+    else ``sum |x|^p`` (negative ``p`` included)."""
+    x = (t._local if isinstance(t, RaggedTensor) else t.reshape(-1)).abs().to(accumulate)
+    if order == math.inf or order == -math.inf:
+        op: WholeReduce = "max" if order > 0 else "min"
+        return (x.amax() if op == "max" else x.amin()) if x.numel() else _identity(op, x)
+    if order == 0:
+        return (x != 0).sum().to(accumulate)
+    return x.pow(order).sum()
 
 
 def _norms(func, args, kwargs):
     """Norms of whole tensors, the same on every rank, so ``torch.nn.utils.clip_grad_norm_``
     (and ``get_total_norm``) work on ``fully_shard`` gradients: each rank takes ``sum |x|^p``
-    (``max |x|``, ...) of its pieces in fp32, one all-reduce per process group covers the whole
-    list, then the root. Plain tensors in the list are whole already."""
+    (``max |x|``, ...) of its pieces, in float64 for float64 results and float32 otherwise,
+    one all-reduce per process group covers the whole list (NaN propagating), then the root.
+    Plain tensors in the list are whole already; tensors with no elements get torch's own
+    answer (or error)."""
     foreach = func is aten._foreach_norm.Scalar
     named = _named_arguments(func, args, kwargs)
     tensors = named["self"] if foreach else [named["self"]]
@@ -414,68 +537,150 @@ def _norms(func, args, kwargs):
             "a norm over some dims of a RaggedTensor needs whole rows; gather with "
             ".full_tensor(), or take the norm of the whole tensor"
         )
-    if order < 0 and not math.isinf(order):
-        raise NotImplementedError(f"ord={order}: RaggedTensor norms take ord >= 0 or +-inf")
-    dtype = named.get("dtype")
-    op, reduce_op = _NORM_PARTS[order if math.isinf(order) or order == 0 else "p"]
-    parts = [op(t._local if isinstance(t, RaggedTensor) else t.reshape(-1), order) for t in tensors]
+    dtypes = [_norm_dtypes(t.dtype, named.get("dtype")) for t in tensors]
+    parts = [_norm_part(t, order, acc) for t, (acc, _) in zip(tensors, dtypes, strict=True)]
+    op: WholeReduce = "max" if order == math.inf else "min" if order == -math.inf else "sum"
     by_group: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, RaggedTensor) and t._spec.world_size > 1:
             by_group.setdefault(t.group, []).append(i)
     for group, members in by_group.items():
-        stacked = torch.stack([parts[i] for i in members])
-        dist.all_reduce(stacked, op=reduce_op, group=group)
+        stacked = all_reduce_nan_safe(torch.stack([parts[i] for i in members]), op, group)
         for i, value in zip(members, stacked, strict=True):
             parts[i] = value
-    finite_p = not math.isinf(order) and order != 0
-    out = [
-        (part.pow(1 / order) if finite_p else part).to(dtype or t.dtype)
-        for part, t in zip(parts, tensors, strict=True)
-    ]
+    rooted = op == "sum" and order != 0
+    out = []
+    for part, t, (_, result) in zip(parts, tensors, dtypes, strict=True):
+        if t.numel():
+            out.append((part.pow(1 / order) if rooted else part).to(result))
+        elif foreach:  # torch's answer (or error: inf-norms have no identity) with no elements
+            out.append(func([_empty_whole(t)], *args[1:], **kwargs)[0])
+        else:
+            out.append(func(_empty_whole(t), *args[1:], **kwargs))
     return out if foreach else out[0]
 
 
-def _whole_reduction(func, args, kwargs):
-    """``sum()``, ``mean()``, ``max()``, ``min()``, ``amax()``, ``amin()``, ``var()`` and
-    ``std()`` of the whole tensor (logging a gradient's mean or spread, as with DTensor): each
-    rank reduces its piece in float64 (int64 for integer sums), one all-reduce combines them,
-    and every rank gets the same plain tensor. Reductions over some dims need whole rows."""
-    src = args[0]
-    named = _named_arguments(func, args, kwargs)
+def _refuse_dims(func, named: dict[str, Any]) -> None:
+    """Reductions over some dims need whole rows, which no rank holds."""
     if named.get("dim") not in (None, [], ()) or named.get("keepdim"):
         raise NotImplementedError(
             f"{func.name()} over some dims of a RaggedTensor needs whole rows; gather with "
             ".full_tensor(), or reduce the whole tensor"
         )
-    local, kind = src._local, func.overloadpacket
-    if local.is_complex():
+
+
+def _result_dtype(func, args: tuple, kwargs: dict) -> torch.dtype:
+    """The dtype torch's ``func`` gives for ``args[0]``'s dtype, from the op on one element of
+    that dtype, so torch's own rules and errors apply (no integer ``mean`` without a ``dtype``,
+    no integer ``var`` / ``std``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # var/std of one element: "degrees of freedom <= 0"
+        return func(torch.zeros(1, dtype=args[0].dtype), *args[1:], **kwargs).dtype
+
+
+_EXTREMES: dict[Any, WholeReduce] = {
+    aten.max: "max",
+    aten.amax: "max",
+    aten.min: "min",
+    aten.amin: "min",
+}
+
+
+def _whole_reduction(func, args, kwargs):
+    """``sum()``, ``mean()``, ``max()``, ``min()``, ``amax()``, ``amin()``, ``var()`` and
+    ``std()`` of the whole tensor (logging a gradient's mean or spread, as with DTensor): each
+    rank reduces its piece exactly enough (float64 for floating point and means, int64 for
+    integers), one all-reduce combines them with NaN propagating as in torch, and every rank
+    gets the same plain tensor, of the dtype torch gives (with torch's errors)."""
+    src, named = args[0], _named_arguments(func, args, kwargs)
+    _refuse_dims(func, named)
+    if src.numel() == 0:
+        return func(_empty_whole(src), *args[1:], **kwargs)
+    if src.is_complex():
         raise NotImplementedError(f"{func.name()} of a complex RaggedTensor: use .full_tensor()")
-    floating = local.is_floating_point()
-    wide = local.to(torch.float64 if floating or kind is not aten.sum else torch.int64)
-    numel = src.numel()
-    if kind in (aten.max, aten.amax, aten.min, aten.amin):
-        biggest = kind in (aten.max, aten.amax)
-        if numel == 0:
-            raise RuntimeError(f"{func.name()}: the tensor is empty")
-        if wide.numel():
-            part = wide.max() if biggest else wide.min()
-        else:  # this rank holds none of it: the identity of the combining op
-            part = torch.tensor(
-                -math.inf if biggest else math.inf, dtype=wide.dtype, device=wide.device
-            )
-        result = _combined(part, src, dist.ReduceOp.MAX if biggest else dist.ReduceOp.MIN)
-        return result.to(src.dtype)
-    total = _combined(wide.sum(), src, dist.ReduceOp.SUM)
+    result, kind = _result_dtype(func, args, kwargs), func.overloadpacket
+    exact = torch.float64 if src.is_floating_point() or kind is aten.mean else torch.int64
+    wide = src._local.to(exact)
+    extreme = _EXTREMES.get(kind)
+    if extreme is not None:
+        if not wide.numel():
+            return _combined(_identity(extreme, wide), src, extreme).to(result)
+        return _combined(wide.amax() if extreme == "max" else wide.amin(), src, extreme).to(result)
+    total = _combined(wide.sum(), src, "sum")
     if kind is aten.sum:
-        return total.to(named.get("dtype") or (src.dtype if floating else torch.int64))
+        return total.to(result)
+    numel = src.numel()
     mean = total / numel
     if kind is aten.mean:
-        return mean.to(named.get("dtype") or src.dtype)
+        return mean.to(result)
     correction = 1 if named.get("correction") is None else named["correction"]
-    variance = _combined((wide - mean).pow(2).sum(), src, dist.ReduceOp.SUM)
-    variance = variance / max(numel - correction, 0)
-    return (variance if kind is aten.var else variance.sqrt()).to(src.dtype)
+    variance = _combined((wide - mean).pow(2).sum(), src, "sum") / max(numel - correction, 0)
+    return (variance if kind is aten.var else variance.sqrt()).to(result)
+
+
+def _count_nonzero(func, args, kwargs):
+    """``count_nonzero()`` of the whole tensor: one all-reduce of the pieces' counts."""
+    src = args[0]
+    _refuse_dims(func, _named_arguments(func, args, kwargs))
+    return _combined(func(src._local), src, "sum")
+
+
+def _foreach_max(func, args, kwargs):
+    """``torch._foreach_max``: each tensor's maximum over the whole tensor (torch's own error
+    for a tensor with no elements)."""
+    return [torch.max(t) if t.numel() else func([_empty_whole(t)])[0] for t in args[0]]
+
+
+def _paired_pieces(func, a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, RaggedTensor]:
+    """This rank's pieces of the two operands of a comparison of whole tensors, in order: a
+    RaggedTensor split alike gives its piece, a plain tensor of the whole shape this rank's
+    range of it, a one-element one itself (``_plain_operand``)."""
+    ragged = a if isinstance(a, RaggedTensor) else b
+
+    def piece(t: Any) -> torch.Tensor:
+        if isinstance(t, RaggedTensor):
+            if t._spec != ragged._spec or t._rank != ragged._rank:
+                raise NotImplementedError(
+                    f"{func.name()} of RaggedTensors split differently ({ragged._spec.name!r} "
+                    f"and {t._spec.name!r}): compare their .full_tensor()s"
+                )
+            return t._local
+        if t.shape == ragged.shape:
+            start, stop = ragged.local_range
+            return t.reshape(-1)[start:stop]
+        return _plain_operand(t, ragged)
+
+    return piece(a), piece(b), ragged
+
+
+def _equal(func, args, kwargs):
+    """``torch.equal`` of whole tensors, the same on every rank (one all-reduce): ranks that
+    branch on it must agree, and the pieces alone differ on some ranks only."""
+    a, b = args
+    if a.shape != b.shape:  # shapes are global: every rank knows without asking
+        return False
+    mine, theirs, ragged = _paired_pieces(func, a, b)
+    same = torch.tensor(int(torch.equal(mine, theirs)), dtype=torch.uint8, device=ragged.device)
+    return bool(_combined(same, ragged, "min"))
+
+
+def _allclose(func, args, kwargs):
+    """``torch.allclose`` of whole tensors, the same on every rank: torch's ``allclose`` of
+    this rank's pieces, then one all-reduce."""
+    named = _named_arguments(func, args, kwargs)
+    mine, theirs, ragged = _paired_pieces(func, named.pop("self"), named.pop("other"))
+    close = torch.tensor(int(func(mine, theirs, **named)), dtype=torch.uint8, device=ragged.device)
+    return bool(_combined(close, ragged, "min"))
+
+
+def _scalar(func, args, kwargs):
+    """``item()``, ``bool()``, ``float()``, ``int()`` of a one-element tensor: the element
+    lives on one rank, which shares it (one collective, through ``full_tensor()``), so every
+    rank gets the same value."""
+    src = args[0]
+    if src.numel() != 1:
+        raise RuntimeError(f"a Tensor with {src.numel()} elements cannot be converted to Scalar")
+    return src.full_tensor().item()
 
 
 def _amp_unscale(func, args, kwargs):
@@ -495,31 +700,6 @@ def _amp_unscale(func, args, kwargs):
     }
     for group in groups:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
-
-
-def _empty_safe(reduce: Callable[[torch.Tensor], torch.Tensor], empty: float):
-    """``reduce`` of a rank's piece in fp32, or ``empty`` for a rank that holds none."""
-
-    def part(x: torch.Tensor, order: float) -> torch.Tensor:
-        x = x.float()
-        return reduce(x) if x.numel() else torch.tensor(empty, device=x.device)
-
-    return part
-
-
-_NORM_PARTS = {  # per-rank part of a norm of the whole tensor, and how ranks combine them
-    math.inf: (_empty_safe(lambda x: x.abs().amax(), 0.0), dist.ReduceOp.MAX),
-    -math.inf: (_empty_safe(lambda x: x.abs().amin(), math.inf), dist.ReduceOp.MIN),
-    0.0: (lambda x, order: (x != 0).sum().float(), dist.ReduceOp.SUM),
-    "p": (lambda x, order: x.float().abs().pow(order).sum(), dist.ReduceOp.SUM),
-}
-
-
-def _equal(func, args, kwargs):
-    a, b = args
-    if isinstance(a, RaggedTensor) and isinstance(b, RaggedTensor) and a._spec == b._spec:
-        return torch.equal(a._local, b._local)
-    raise NotImplementedError("torch.equal on RaggedTensors needs the same RaggedShard")
 
 
 # torch.optim's ``fused=True`` kernels: element-wise updates over lists of tensors
@@ -543,6 +723,11 @@ _SPECIAL = {
     aten.zero_.default: _in_place_local,
     aten.fill_.Scalar: _in_place_local,
     aten.equal.default: _equal,
+    aten.allclose.default: _allclose,
+    aten.is_same_size.default: lambda f, a, k: a[0].shape == a[1].shape,
+    aten._local_scalar_dense.default: _scalar,
+    aten.count_nonzero.default: _count_nonzero,
+    aten._foreach_max.default: _foreach_max,
     aten._foreach_norm.Scalar: _norms,
     aten.linalg_vector_norm.default: _norms,
     aten._amp_foreach_non_finite_check_and_unscale_.default: _amp_unscale,

@@ -40,11 +40,14 @@ __all__ = [
     "combine",
     "element_units",
     "is_muon_matrix",
+    "is_quantized",
     "matrix_unit",
+    "merge_small_dims",
     "quantized_unit",
     "resolve_units",
     "row_units",
     "shampoo_blocked",
+    "shampoo_matrix",
     "shampoo_policy",
     "shampoo_slab_rows",
     "slice_units",
@@ -119,12 +122,13 @@ def resolve_units(
         for name, shape, dtype in tensors:
             param = params[name] if params is not None else TensorMeta(tuple(shape), dtype)
             units[name] = policy(name, param)
-    for name, _, _ in tensors:
+    for name, shape, _ in tensors:
         unit = units.get(name)
         if not isinstance(unit, int) or isinstance(unit, bool) or unit < 1:
             raise ValueError(
-                f"shard_policy returned unit={unit!r} for parameter {name!r}; it must return a "
-                "positive number of elements (e.g. raggedfsdp.sharding.row_units(32))"
+                f"shard_policy returned unit={unit!r} for parameter {name!r} (shape "
+                f"{tuple(shape)}); it must return a positive number of elements, at least 1 "
+                "for a tensor with no elements (e.g. raggedfsdp.sharding.row_units(32))"
             )
     return units
 
@@ -278,6 +282,14 @@ class MuonShardPolicy(GroupShardPolicy):
 
 
 # ----------------------------------------------------------------------------- 8-bit AdamW
+def is_quantized(shape: Sequence[int], min_8bit_size: int) -> bool:
+    """Whether ``AdamW8bit`` keeps 8-bit state for a tensor: ``min_8bit_size`` elements or more
+    (smaller ones keep full precision, as bitsandbytes and torchao), and never an empty tensor,
+    which has no blocks."""
+    numel = math.prod(shape)
+    return numel >= min_8bit_size and numel > 0
+
+
 def quantized_unit(shape: Sequence[int], block_size: int, tile: tuple[int, int] | None) -> int:
     """Elements of one quantization unit of a quantized tensor: ``tile[0]`` whole rows when
     tensors of 2+ dims are quantized in 2-D tiles, else one ``block_size`` block."""
@@ -293,9 +305,9 @@ def adamw8bit_policy(
 
     def unit(fqn: str, param: Any) -> int:
         shape = tuple(param.shape)
-        if math.prod(shape) < min_8bit_size:
+        if not is_quantized(shape, min_8bit_size):
             return 1
-        return quantized_unit(shape, block_size, tile)
+        return max(1, quantized_unit(shape, block_size, tile))
 
     return unit
 
@@ -314,26 +326,83 @@ def check_preconditioner_dim(max_preconditioner_dim: Any) -> None:
         )
 
 
-def shampoo_blocked(shape: Sequence[int]) -> bool:
-    """Whether Shampoo preconditions the tensor with blocks (2+ dims, not empty); others are
-    Adam-grafted only."""
-    return len(shape) >= 2 and math.prod(shape) > 0
+def merge_small_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
+    """DistributedShampoo's dimension merging: walking the dims in order, a dim joins the
+    previous one when either is 1 or their product stays within ``max_dim``, so small tensors
+    become vectors (10×6 → 60 for B ≥ 60) and size-1 dims vanish. A merge of neighbours in
+    row-major order is a reshape: the flat storage, and so the shard layout, is unchanged."""
+    merged = [shape[0]] if shape else [1]
+    for dim in shape[1:]:
+        if merged[-1] == 1 or dim == 1 or merged[-1] * dim <= max_dim:
+            merged[-1] *= dim
+        else:
+            merged.append(dim)
+    return tuple(merged)
 
 
-def shampoo_slab_rows(shape: Sequence[int], max_dim: int) -> int:
-    """Rows of one slab (one row of ``B × B`` blocks) of the tensor's ``rows × cols`` view."""
-    return min(max_dim, math.prod(shape) // row_numel(tuple(shape)))
+def shampoo_matrix(
+    shape: Sequence[int],
+    max_dim: int,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+) -> tuple[int, int, int] | None:
+    """``(rows, cols, order)`` of the matrix whose ``B × B`` blocks Shampoo and SOAP
+    precondition, or None for tensors they leave to the diagonal (grafting) rule.
+
+    With ``merge_dims`` the shape is first merged (``merge_small_dims``). A shape of one dim is
+    a vector, preconditioned only with ``precondition_1d``: an ``n × 1`` column of order 1 (one
+    factor per block of ``B`` elements). Two or more dims are an order-2 ``prod(leading dims) ×
+    last dim`` matrix (DistributedShampoo keeps one factor per dim for 3+ dims; we do not).
+    """
+    if math.prod(shape) == 0:
+        return None
+    dims = merge_small_dims(shape, max_dim) if merge_dims else tuple(shape)
+    if len(dims) <= 1:
+        return (math.prod(dims), 1, 1) if precondition_1d else None
+    return math.prod(dims[:-1]), dims[-1], 2
 
 
-def shampoo_policy(max_preconditioner_dim: int = 1024) -> ShardPolicy:
-    """``Shampoo``'s rule: one slab (``min(B, rows)`` whole rows) per unit for tensors of two or
-    more dims, so every ``B × B`` block is whole on one rank; elements for the rest."""
+def shampoo_blocked(
+    shape: Sequence[int],
+    max_dim: int = 1024,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+) -> bool:
+    """Whether Shampoo preconditions the tensor with blocks (``shampoo_matrix`` is not None);
+    others are updated by the grafting rule only."""
+    return shampoo_matrix(shape, max_dim, merge_dims, precondition_1d) is not None
+
+
+def shampoo_slab_rows(
+    shape: Sequence[int],
+    max_dim: int,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+) -> int:
+    """Rows of one slab (one row of ``B × B`` blocks) of the tensor's matrix view."""
+    view = shampoo_matrix(shape, max_dim, merge_dims, precondition_1d)
+    rows = view[0] if view else math.prod(shape) // row_numel(tuple(shape))
+    return min(max_dim, rows)
+
+
+def shampoo_policy(
+    max_preconditioner_dim: int = 1024,
+    merge_dims: bool = False,
+    precondition_1d: bool = False,
+) -> ShardPolicy:
+    """``Shampoo``'s (and ``SOAP``'s) rule: one slab (``min(B, rows)`` whole rows of the matrix
+    view, ``merge_dims`` and ``precondition_1d`` deciding the view) per unit for preconditioned
+    tensors, so every ``B × B`` block, merged or not, is whole on one rank; elements for the
+    rest."""
     check_preconditioner_dim(max_preconditioner_dim)
 
     def unit(fqn: str, param: Any) -> int:
-        shape = tuple(param.shape)
-        if not shampoo_blocked(shape):
+        view = shampoo_matrix(
+            tuple(param.shape), max_preconditioner_dim, merge_dims, precondition_1d
+        )
+        if view is None:
             return 1
-        return shampoo_slab_rows(shape, max_preconditioner_dim) * row_numel(shape)
+        rows, cols, _ = view
+        return min(max_preconditioner_dim, rows) * cols
 
     return unit

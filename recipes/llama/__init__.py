@@ -3,6 +3,7 @@
 Reading order: ``config`` (what can be set), ``model`` (the decoder), ``data`` and ``corpus``
 (token files and the embedded default dataset), ``parallel`` (process groups, meshes, wrapping
 with raggedfsdp or PyTorch FSDP2), ``optimizers`` (choice, parameter groups, LR schedule),
-``checkpoint`` (atomic DCP checkpoints), ``metrics`` (MFU, memory, wandb, plot) and finally
-``train``, the loop that uses them all. ``prepare`` is the command that tokenizes text files.
+``checkpoint`` (atomic DCP checkpoints; ``checkpoint_files`` checks one before it is loaded),
+``metrics`` (MFU, memory, wandb, plot) and finally ``train``, the loop that uses them all.
+``prepare`` is the command that tokenizes text files; ``launch`` is torchrun ending quietly.
 """

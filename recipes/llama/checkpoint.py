@@ -6,18 +6,21 @@ model, the optimizer state, the step, the tokens seen and the RNG state; the dat
 the step itself (batches are a function of it, see ``data.Batches``).
 
 Saving is atomic: all ranks write into ``step_N.tmp``, then rank 0 writes ``meta.json`` (the
-completion marker: model shape, optimizer, the size of every file) and renames the directory.
-A crash at any point leaves either a ``.tmp`` directory, which is never loaded, or a complete
-checkpoint; ``meta.json`` is checked on load too, so a directory that was copied partially or
-truncated is refused rather than half-loaded. Multi-node runs need ``run_dir`` on a filesystem
-that every node sees.
+completion marker: model shape, optimizer, every file's size and sha256) and renames the
+directory. A crash at any point leaves either a ``.tmp`` directory, which is never loaded, or a
+complete checkpoint. A checkpoint is verified against its marker before it is loaded
+(``checkpoint_files.verify``): one that was truncated, copied partially or corrupted is never
+half-loaded. ``--resume auto`` then falls back to the newest older checkpoint that verifies and
+says so in one line; when none does, or the checkpoint was named with ``--resume PATH``, the run
+stops with one line naming the checkpoint, what is wrong and the fix. It never restarts from
+step 0 on its own: that takes ``--resume never``. Multi-node runs need ``run_dir`` on a
+filesystem that every node sees.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import threading
@@ -34,18 +37,21 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raggedfsdp.checkpoint import load as safe_load
+from recipes.llama.checkpoint_files import (
+    FORMAT,
+    MARKER,
+    CheckpointError,
+    broadcast_from_main,
+    check_checkpoint,
+    file_digests,
+    step_dirs,
+    step_of,
+    verify,
+)
 from recipes.llama.config import Config
 from recipes.llama.parallel import Env
 
 __all__ = ["CheckpointError", "Checkpointer", "GracefulStop", "TrainState", "check_checkpoint"]
-
-MARKER = "meta.json"
-FORMAT = "raggedfsdp-recipe-checkpoint-v1"
-STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this run (the message says why)."""
 
 
 @dataclass
@@ -64,30 +70,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def check_checkpoint(path: Path) -> dict[str, Any]:
-    """The checkpoint's meta, or CheckpointError if it is not complete."""
-    marker = path / MARKER
-    if not marker.is_file():
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no {MARKER}: the save was interrupted)"
-        )
-    try:
-        meta = json.loads(marker.read_text())
-        files = meta["files"] if meta.get("format") == FORMAT else None
-        if not isinstance(files, dict):
-            raise ValueError(f"format {meta.get('format')!r}")
-    except (ValueError, KeyError) as err:
-        raise CheckpointError(f"{marker} is not a checkpoint marker ({err})") from None
-    for name, size in files.items():
-        actual = (path / name).stat().st_size if (path / name).is_file() else None
-        if actual != size:
-            raise CheckpointError(
-                f"{path / name} is {'missing' if actual is None else f'{actual} bytes'} "
-                f"but the checkpoint wrote {size} bytes: it is incomplete or corrupt"
-            )
-    return meta
-
-
 def _model_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
     ours = asdict(cfg.model)
     return [
@@ -97,16 +79,24 @@ def _model_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
     ]
 
 
+def _one_line(err: BaseException) -> str:
+    """The first line of an error DCP raised (its multi-rank report runs to pages)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
 class Checkpointer:
-    """Saves and finds the checkpoints under ``root``; every method is collective.
+    """Saves, rotates and finds the checkpoints under ``root``; every method is collective.
 
     ``data_position`` (seed and data fingerprint) is stored with the step: together they
-    determine every later batch, and a resume that changes them is warned about.
+    determine every later batch, and a resume that changes them is warned about. ``bad`` holds
+    the directories that failed verification when resuming, so rotation never counts them.
     """
 
     def __init__(self, root: Path, env: Env, keep: int, data_position: dict[str, Any]) -> None:
         self.root, self.env, self.keep = root, env, max(1, keep)
         self.data_position = data_position
+        self.bad: set[Path] = set()
 
     def _state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, train: TrainState
@@ -133,6 +123,9 @@ class Checkpointer:
         dist.barrier()
         dcp.save(self._state(model, optimizer, train), checkpoint_id=tmp)
         dist.barrier()  # every rank's files are on disk (DCP fsyncs them)
+        listing = sorted(p.name for p in tmp.iterdir()) if self.env.is_main else None
+        names = broadcast_from_main(listing)  # one list on every rank
+        digests = file_digests(tmp, names)  # each rank hashes its share
         if self.env.is_main:
             meta = {
                 "format": FORMAT,
@@ -143,66 +136,86 @@ class Checkpointer:
                 "fsdp": cfg.fsdp,
                 "model": asdict(cfg.model),
                 "data": self.data_position,
-                "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir())},
+                "files": {name: (tmp / name).stat().st_size for name in names},
+                "sha256": digests,
             }
             with (tmp / MARKER).open("w") as f:  # on disk before the rename publishes it
                 f.write(json.dumps(meta, indent=1))
                 f.flush()
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
-            if final.exists():  # the same step saved again after a resume
+            if final.exists():  # the same step saved again (after a resume or a fallback)
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
-            self._prune()
+            self._rotate(final)
         dist.barrier()
         return final
 
-    def _prune(self) -> None:
-        complete = [p for p in self._candidates() if (p / MARKER).is_file()]
-        for old in complete[self.keep :]:
-            shutil.rmtree(old)
+    def _loadable(self, path: Path) -> bool:
+        if path in self.bad:
+            return False
+        try:
+            check_checkpoint(path)
+        except CheckpointError:
+            return False
+        return True
 
-    def _candidates(self) -> list[Path]:
-        """``step_N`` directories, newest first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-        return sorted(found, key=lambda p: p.name, reverse=True)
+    def _rotate(self, saved: Path) -> None:
+        """Keep ``saved`` and the newest ``keep - 1`` older checkpoints that can be loaded.
 
-    def _choose(self, resume: str) -> tuple[str | None, dict[str, Any] | None, list[str]]:
-        """(checkpoint to load or None, its meta, warnings) as rank 0 sees the filesystem."""
+        The run's history is the line that ends at ``saved``: directories of later steps are
+        from a line it left (a fallback past a bad checkpoint, a resume from an older one,
+        ``--resume never``) and would otherwise be resumed by ``--resume auto`` instead of
+        this run, so they go. Older ones are walked newest first: a directory that cannot be
+        loaded never takes one of the ``keep`` slots, and once they are filled everything
+        older goes, so the newest good checkpoints are never deleted to keep a bad one.
+        """
+        kept = 1
+        for path in step_dirs(self.root):
+            if path == saved:
+                continue
+            if step_of(path) > step_of(saved) or kept >= self.keep:
+                shutil.rmtree(path)
+            elif self._loadable(path):
+                kept += 1
+
+    def _find(self, resume: str) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+        """(checkpoint to load or None, its meta, warnings): the same on every rank."""
         if resume == "never":
             return None, None, []
         if resume != "auto":
-            return resume, check_checkpoint(Path(resume)), []
-        warnings = []
-        for path in self._candidates():
-            try:
-                return str(path), check_checkpoint(path), warnings
-            except CheckpointError as err:
-                warnings.append(f"skipping {path}: {err}")
-        return None, None, warnings
+            meta, problem = verify(Path(resume))
+            if problem is not None:
+                raise CheckpointError(
+                    f"{problem}. Pass another checkpoint to --resume (or --resume auto for the "
+                    "newest in --run-dir), or start over with --resume never"
+                )
+            return Path(resume), meta, []
+        skipped: list[str] = []
+        for path in broadcast_from_main(step_dirs(self.root) if self.env.is_main else None):
+            meta, problem = verify(path)
+            if problem is None:
+                fallback = f"; resuming from the previous complete checkpoint {path} instead"
+                return path, meta, ["; ".join(skipped) + fallback] if skipped else []
+            self.bad.add(path)
+            skipped.append(problem)
+        if skipped:
+            raise CheckpointError(
+                f"no checkpoint in {self.root} can be resumed: {'; '.join(skipped)}. To start "
+                f"over from step 0 use --resume never (or delete {self.root}); to resume from "
+                "a copy, --resume PATH"
+            )
+        return None, None, []
 
     def resume(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config
     ) -> tuple[TrainState, str | None, list[str]]:
-        """Load the checkpoint ``cfg.resume`` names (``auto``: the newest complete one here).
-
-        Rank 0 decides and tells the others, so every rank loads the same checkpoint or fails
-        with the same message. Returns (state, loaded path or None, warnings).
-        """
-        decision: list[Any] = [None]
-        if self.env.is_main:
-            try:
-                decision[0] = ("ok", *self._choose(cfg.resume))
-            except CheckpointError as err:
-                decision[0] = ("error", str(err), None, [])
-        dist.broadcast_object_list(decision, src=0)
-        kind, path, meta, warnings = decision[0]
-        if kind == "error":
-            raise CheckpointError(path)
-        if path is None:
+        """Load the checkpoint ``cfg.resume`` names (``auto``: the newest one here that
+        verifies). Every rank loads the same checkpoint or fails with the same message.
+        Returns (state, loaded path or None, warnings for the log)."""
+        path, meta, warnings = self._find(cfg.resume)
+        if path is None or meta is None:
             return TrainState(), None, warnings
         mismatch = _model_mismatch(meta["model"], cfg)
         if mismatch:
@@ -221,13 +234,19 @@ class Checkpointer:
                 f"{self.data_position}: batches from here on differ from the original run's"
             )
         state = self._state(model, optimizer, TrainState())
-        safe_load(state, str(path))  # metadata read with an allow-list unpickler
+        try:
+            safe_load(state, str(path))  # metadata read with an allow-list unpickler
+        except Exception as err:  # DCP raises on every rank when any rank fails
+            raise CheckpointError(
+                f"{path} cannot be loaded ({_one_line(err)}); resume from another checkpoint "
+                "(--resume PATH) or start over with --resume never"
+            ) from err
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
         )
         torch.set_rng_state(state["train"]["rng"])
         train = state["train"]
-        return TrainState(int(train["step"]), int(train["tokens_seen"])), path, warnings
+        return TrainState(int(train["step"]), int(train["tokens_seen"])), str(path), warnings
 
 
 class GracefulStop:

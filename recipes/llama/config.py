@@ -10,6 +10,7 @@ only: a config can set values, never run code.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-__all__ = ["Config", "ConfigError", "ModelConfig", "parse_args", "usage"]
+__all__ = ["USAGE_ERROR", "Config", "ConfigError", "ModelConfig", "parse_args", "usage"]
 
 PRESET_DIR = Path(__file__).parent / "configs"
+USAGE_ERROR = 2  # exit status of a run refused with a one-line message (argparse's status)
 
 
 class ConfigError(ValueError):
@@ -63,7 +65,7 @@ class ModelConfig:
             raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
 
-Optimizer = Literal["adamw", "adamw8bit", "muon", "shampoo"]
+Optimizer = Literal["adamw", "adamw8bit", "muon", "shampoo", "soap"]
 
 
 @dataclass
@@ -83,7 +85,7 @@ class Config:
     batch_size: Annotated[int, "sequences per optimizer step, over all ranks"] = 16
     micro_batch_size: Annotated[int, "sequences per forward/backward on one rank"] = 8
     # optimizer and schedule
-    optimizer: Annotated[Optimizer, "adamw | adamw8bit | muon | shampoo"] = "adamw"
+    optimizer: Annotated[Optimizer, "adamw | adamw8bit | muon | shampoo | soap"] = "adamw"
     lr: Annotated[float, "peak learning rate (AdamW and Muon's non-matrix parameters)"] = 3e-3
     muon_lr: Annotated[float, "peak learning rate of Muon's matrices"] = 0.02
     min_lr_ratio: Annotated[float, "final learning rate as a fraction of the peak"] = 0.1
@@ -228,35 +230,52 @@ def load_file(name: str) -> dict[str, Any]:
     return _flatten(table, str(path))
 
 
-def _pairs(argv: list[str]) -> list[tuple[str, str]]:
-    """``--key value``, ``--key=value`` and bare ``--flag`` (true) as (key, value) pairs."""
-    pairs, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--") or arg == "--":
-            raise ConfigError(f"expected --key value, got {arg!r} (see --help)")
-        key, eq, value = arg[2:].partition("=")
-        if not eq:
-            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-                value, i = argv[i + 1], i + 1
-            else:
-                value = "true"
-        pairs.append((key, value))
-        i += 1
-    return pairs
+def _parser() -> argparse.ArgumentParser:
+    """Every key as an option in both spellings, its value kept as text for ``_coerce``.
+
+    argparse does the command line's grammar (``--key value``, ``--key=value``, a bare
+    ``--flag`` for booleans, a missing value); options not given stay out of the result
+    (``SUPPRESS``), so they do not undo a ``--config`` file's values.
+    """
+    parser = argparse.ArgumentParser(
+        prog="recipes.llama.train",
+        add_help=False,
+        allow_abbrev=False,
+        exit_on_error=False,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", action="append", metavar="NAME|PATH")
+    for key, kind in KEYS.items():
+        spellings = dict.fromkeys((f"--{key.replace('_', '-')}", f"--{key}"))
+        if kind is bool:
+            parser.add_argument(*spellings, dest=key, nargs="?", const="true", metavar="BOOL")
+        else:
+            parser.add_argument(*spellings, dest=key, metavar="VALUE")
+    return parser
+
+
+def _options(argv: list[str]) -> dict[str, Any]:
+    """The command line's options as {key: value}, the last one winning (``config``: a list)."""
+    try:
+        given, rest = _parser().parse_known_args(argv)
+    except argparse.ArgumentError as err:
+        raise ConfigError(f"{err} (see --help)") from None
+    if rest:
+        if rest[0].startswith("--") and rest[0] != "--":
+            raise _unknown(rest[0][2:].partition("=")[0].replace("-", "_"))
+        raise ConfigError(f"expected --key value, got {rest[0]!r} (see --help)")
+    return vars(given)
 
 
 def parse_args(argv: list[str]) -> Config:
-    """Defaults, then every ``--config`` file, then the other pairs in command-line order."""
-    pairs = _pairs(argv)
+    """Defaults, then every ``--config`` file in order, then the other options."""
+    options = _options(argv)
     cfg = Config()
-    for key, value in pairs:
-        if key == "config":
-            for file_key, file_value in load_file(value).items():
-                _set(cfg, file_key, file_value)
-    for key, value in pairs:
-        if key != "config":
-            _set(cfg, key, value)
+    for name in options.pop("config", []):
+        for file_key, file_value in load_file(name).items():
+            _set(cfg, file_key, file_value)
+    for key, value in options.items():
+        _set(cfg, key, value)
     cfg.check()
     return cfg
 

@@ -35,6 +35,7 @@ __all__ = [
     "TokenData",
     "prepare",
     "prepare_default",
+    "sha256_file",
 ]
 
 DEFAULT_DATA_DIR = "runs/data/default"
@@ -65,7 +66,8 @@ class ByteTokenizer:
 TOKENIZERS = {ByteTokenizer.name: ByteTokenizer}
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The file's sha256, read in 1 MiB chunks (data files and checkpoint files alike)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(1 << 20):
@@ -116,7 +118,7 @@ def prepare(
         "vocab_size": tok.vocab_size,
         "dtype": dtype,
         "tokens": counts,
-        "sha256": {split: _sha256(out / f"{split}.bin") for split in counts},
+        "sha256": {split: sha256_file(out / f"{split}.bin") for split in counts},
         "sources": sources,
     }
     _write_atomic(out / "meta.json", json.dumps(meta, indent=1).encode())
@@ -193,7 +195,7 @@ def _map(root: Path, split: str, meta: dict[str, Any], seq_len: int) -> np.ndarr
             f"{path} has {size} bytes but meta.json lists {count} {meta['dtype']} tokens "
             f"({count * dtype.itemsize} bytes): the file is truncated or corrupt; {again}"
         )
-    if size <= CHECKSUM_LIMIT_BYTES and _sha256(path) != meta["sha256"][split]:
+    if size <= CHECKSUM_LIMIT_BYTES and sha256_file(path) != meta["sha256"][split]:
         raise DataError(f"{path} does not match the sha256 in meta.json (corrupt); {again}")
     if count < seq_len + 1:
         raise DataError(

@@ -62,11 +62,18 @@ def shampoo_kwargs(cfg: Config) -> dict[str, Any]:
     return {"lr": cfg.lr, "betas": (cfg.beta1, 1.0), "epsilon": 1e-8, "grafting_beta2": cfg.beta2}
 
 
+def soap_kwargs(cfg: Config) -> dict[str, Any]:
+    """SOAP is Adam in Shampoo's eigenbasis: Adam's lr, betas and epsilon carry over (its
+    factors' EMA and preconditioning frequency keep SOAP's defaults, 0.95 and 10)."""
+    return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+
+
 CHOICES: dict[str, Choice] = {
     "adamw": Choice("AdamW", torch_fallback=torch.optim.AdamW),
     "adamw8bit": Choice("AdamW8bit"),
     "muon": Choice("Muon", split_matrices=True, kwargs=muon_kwargs),
     "shampoo": Choice("Shampoo", kwargs=shampoo_kwargs),
+    "soap": Choice("SOAP", kwargs=soap_kwargs),
 }
 
 

@@ -28,7 +28,7 @@ from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
 from recipes.llama.model import Transformer
 
-__all__ = ["Env", "build_model", "clip_gradients", "distributed"]
+__all__ = ["Env", "build_model", "clip_gradients", "distributed", "failing_together"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -95,6 +95,30 @@ def distributed(cfg: Config) -> Iterator[Env]:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+@contextmanager
+def failing_together(*errors: type[Exception]) -> Iterator[None]:
+    """Run the block on every rank; if it raises one of ``errors`` on any rank, raise it on all.
+
+    A check that can fail on some ranks only (a data directory one node cannot read) would
+    otherwise end those ranks while the others wait in the next collective until a timeout,
+    and print the message once per failing rank. Here every rank raises the lowest failing
+    rank's error, so the run ends at once and rank 0 alone can report it. Collective.
+    """
+    failure: Exception | None = None
+    try:
+        yield
+    except errors as err:
+        failure = err
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, None if failure is None else (type(failure), str(failure)))
+    failed = [rank for rank, item in enumerate(found) if item is not None]
+    if failed:
+        kind, message = found[failed[0]]
+        if len(failed) < len(found):
+            message += f" (on {len(failed)} of {len(found)} ranks, the first rank {failed[0]})"
+        raise kind(message) from failure
 
 
 def _wrapper(

@@ -12,6 +12,7 @@ log and agrees on whether a signal asked to stop, periodic validation and checkp
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from recipes.llama.checkpoint import Checkpointer, CheckpointError, GracefulStop, TrainState
-from recipes.llama.config import Config, ConfigError, parse_args, usage
+from recipes.llama.config import USAGE_ERROR, Config, ConfigError, parse_args, usage
 from recipes.llama.data import (
     DEFAULT_DATA_DIR,
     TRAIN,
@@ -39,7 +40,14 @@ from recipes.llama.data import (
 from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes
 from recipes.llama.model import flops_per_token, matmul_params
 from recipes.llama.optimizers import Schedule, build_optimizer, optimizer_class, shard_policy
-from recipes.llama.parallel import Env, build_model, clip_gradients, distributed, full_weights
+from recipes.llama.parallel import (
+    Env,
+    build_model,
+    clip_gradients,
+    distributed,
+    failing_together,
+    full_weights,
+)
 
 __all__ = ["RunResult", "main", "train", "train_step"]
 
@@ -58,24 +66,39 @@ class RunResult:
 
 
 def grad_accumulation(cfg: Config, world_size: int) -> int:
-    """Micro-batches per step so that ``batch_size`` sequences are split evenly."""
-    per_step = cfg.micro_batch_size * world_size
-    if cfg.batch_size % per_step:
+    """Micro-batches per step so that ``batch_size`` sequences are split evenly; the error
+    names the values that would work."""
+    per_rank, rest = divmod(cfg.batch_size, world_size)
+    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+    if rest:
+        lower, upper = cfg.batch_size - rest, cfg.batch_size - rest + world_size
+        sizes = f"{lower} or {upper}" if lower else str(upper)
         raise ConfigError(
-            f"batch_size={cfg.batch_size} must be a multiple of micro_batch_size × processes "
-            f"= {cfg.micro_batch_size} × {world_size}"
+            f"--batch-size {cfg.batch_size} cannot be split over {processes}: use a "
+            f"multiple of {world_size} (e.g. --batch-size {sizes}) or another number of processes"
         )
-    return cfg.batch_size // per_step
+    if per_rank % cfg.micro_batch_size:
+        fits = [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
+        choices = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+        raise ConfigError(
+            f"--micro-batch-size {cfg.micro_batch_size} does not divide the {per_rank} "
+            f"sequences each process gets per step (--batch-size {cfg.batch_size} over "
+            f"{processes}): use --micro-batch-size {choices}"
+        )
+    return per_rank // cfg.micro_batch_size
 
 
 def open_data(cfg: Config, env: Env) -> TokenData:
     """The token files; the default directory is prepared from the embedded corpus on first use
-    (by each node's first process, while the others wait)."""
+    (by each node's first process, while the others wait). A check that fails on any rank
+    fails on all (a node may not see the files the others do)."""
     default = Path(cfg.data_dir) == Path(DEFAULT_DATA_DIR)
-    if default and env.local_rank == 0 and not (Path(cfg.data_dir) / "meta.json").is_file():
-        prepare_default(cfg.data_dir)
-    dist.barrier()
-    return TokenData.open(cfg.data_dir, cfg.model.vocab_size, cfg.seq_len)
+    with failing_together(DataError):
+        if default and env.local_rank == 0 and not (Path(cfg.data_dir) / "meta.json").is_file():
+            prepare_default(cfg.data_dir)
+    with failing_together(DataError):
+        data = TokenData.open(cfg.data_dir, cfg.model.vocab_size, cfg.seq_len)
+    return data
 
 
 def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -268,22 +291,37 @@ def train(
     return result
 
 
+def _report(err: Exception, joined: bool) -> None:
+    """Print an error that ends the run once, not once per process.
+
+    Once the ranks have joined, every error that ends the run is raised on every rank (rank 0
+    decides about checkpoints, ``failing_together`` spreads data errors), so rank 0 prints it.
+    Before that (bad arguments, no CUDA device) each node's first process prints it, since a
+    node may lack a file the others have.
+    """
+    if os.environ.get("RANK" if joined else "LOCAL_RANK", "0") == "0":
+        print(f"error: {err}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(
             "usage: torchrun [launcher options] -m recipes.llama.train [--config NAME|PATH] "
-            "[--key value | --key=value ...]\n(or python -m recipes.llama.train ... for one "
-            "process)\n\n" + usage()
+            "[--key value | --key=value ...]\n(or python -m recipes.llama.launch with the same "
+            "options, quiet on Ctrl-C; or python -m recipes.llama.train ... for one process)"
+            "\n\n" + usage()
         )
         return 0
+    joined = False
     try:
         cfg = parse_args(argv)
         with distributed(cfg) as env:
+            joined = True
             train(cfg, env)
     except (ConfigError, DataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        _report(err, joined)
+        return USAGE_ERROR
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -319,3 +320,22 @@ def test_argument_errors_exit_2(capsys, argv: list[str]) -> None:
         main(argv)
     assert exc.value.code == 2
     assert "error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["llama3-8b", "-w", "8"], ["llama3-8b", "-w", "8", "--json"]])
+def test_a_reader_that_stops_early_ends_the_run_quietly(argv: list[str]) -> None:
+    """``raggedfsdp plan ... | head``: no BrokenPipeError traceback, the status ``cat`` gets.
+    The pipe's read end is closed before the planner starts, so its first write fails."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "raggedfsdp.plan", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, "")

@@ -32,7 +32,7 @@ from raggedfsdp.capacity import (
     estimate,
 )
 from raggedfsdp.capacity.optimizer_state import counter_bytes
-from raggedfsdp.optim import AdamW, AdamW8bit, Muon, Shampoo
+from raggedfsdp.optim import SOAP, AdamW, AdamW8bit, Muon, Shampoo
 from raggedfsdp.sharding import FlatBuffer, RaggedTensor
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
 from raggedfsdp.sharding.units import (
@@ -84,6 +84,7 @@ OPTIMIZERS: dict[str, tuple[OptimizerSpec, type, dict[str, Any]]] = {
         Shampoo,
         {"max_preconditioner_dim": 32},
     ),
+    "soap": (OptimizerSpec("soap", preconditioner_dim=32), SOAP, {"max_preconditioner_dim": 32}),
 }
 #: the planner's unit setting -> the policy a user passes to fully_shard for it
 USER_UNITS = {

@@ -324,6 +324,45 @@ def test_bad_input_single_process():
     assert torch.equal(p, before) and len(opt.state) == 0
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"betas": (0.9, torch.tensor(0.99))}, "betas must be either both floats or both Tensors"),
+        ({"betas": (torch.tensor(0.9), 0.99)}, "betas must be either both floats or both Tensors"),
+        (
+            {"betas": (torch.tensor(0.9), torch.tensor(0.99)), "foreach": True},
+            r"betas\[0\] as a Tensor is not supported for capturable=False and foreach=True",
+        ),
+        (
+            {"lr": torch.tensor(0.01), "foreach": True},
+            "lr as a Tensor is not supported for capturable=False and foreach=True",
+        ),
+    ],
+    ids=["float-tensor", "tensor-float", "tensor-betas-foreach", "tensor-lr-foreach"],
+)
+def test_betas_and_lr_are_refused_at_construction_as_torch_does(kwargs, match):
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=match):
+        torch.optim.AdamW([p], **kwargs)
+    with pytest.raises(ValueError, match=match):
+        AdamW([p], **kwargs)
+    if "foreach" in kwargs:  # the same tensors are accepted with capturable=True, as by torch
+        torch.optim.AdamW([p], **kwargs | {"capturable": True})
+        AdamW([p], **kwargs | {"capturable": True})
+
+
+def test_adam_betas_rule_holds_for_every_adam_type_argument():
+    from raggedfsdp.optim import AdamW8bit, Muon
+
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="adamw_betas must be either both floats or both"):
+        Muon([p], adamw_betas=(0.9, torch.tensor(0.95)))
+    with pytest.raises(ValueError, match="betas must be either both floats or both Tensors"):
+        AdamW8bit([p], betas=(torch.tensor(0.9), 0.999))
+    with pytest.raises(ValueError, match=r"betas=\(0.9,\): expected two coefficients"):
+        AdamW([p], betas=(0.9,))
+
+
 def _bad_input_distributed() -> list[str]:
     rank, world = rank_world()
     errors = []

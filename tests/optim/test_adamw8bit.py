@@ -1,6 +1,8 @@
 """raggedfsdp.optim.AdamW8bit: bitwise torchao on one process, bitwise the same at W = 1..4
 (FSDP and drop-in, uneven and empty shards, 1-D blocks and 32x32 tiles), bitsandbytes' accuracy
-protocol against fp32 AdamW, a short training run, state size, DCP resharding, bad input."""
+protocol against fp32 AdamW, a short training run, state size, DCP resharding, bad input; the
+fused (compiled) step: within its measured distance of the eager step, W-invariant, compiled once
+per shape set, a clear error without a compiler."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from raggedfsdp.optim import AdamW8bit
+from raggedfsdp.optim.compiled import use_compiled
 from raggedfsdp.optim.quant import (
     BlockGrid,
     QuantMap,
@@ -15,6 +18,7 @@ from raggedfsdp.optim.quant import (
     dynamic_map,
     nearest_codes,
     quantize_,
+    rounding_steps,
 )
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
 from tests.support.optim_helpers import (
@@ -85,15 +89,17 @@ def test_quantize_equals_torchao_including_ties(quant_utils, signed):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_nearest_code_equals_torchao_binary_search_on_every_bucket_edge(quant_utils, signed):
-    """The table-driven search must agree with torchao's binary search on the values where it
-    could go wrong: both ends of every 16-bit bucket, every map point and half-way point, and
-    their fp32 neighbours."""
+    """The table lookup must agree with torchao's binary search on the values where it could go
+    wrong: both ends of every 16-bit bucket, every map point, half-way point and rounding step,
+    and their fp32 neighbours. The code is a step function of the value, so agreeing at every
+    step and just below it proves agreement everywhere in [-1, 1]."""
     qmap = QuantMap.get(signed, torch.device("cpu"))
     keys = torch.arange(1 << 16, dtype=torch.int64) << 16
     edges = torch.cat([keys, keys | 0xFFFF])
     edges = torch.where(edges >= 1 << 31, edges - (1 << 32), edges).to(torch.int32)
     mids = (qmap.values[1:] + qmap.values[:-1]) * 0.5
-    points = torch.cat([edges.view(torch.float32), qmap.values, mids])
+    steps = rounding_steps(qmap.values)
+    points = torch.cat([edges.view(torch.float32), qmap.values, mids, steps])
     up, down = torch.full_like(points, 2.0), torch.full_like(points, -2.0)
     values = torch.cat([points, torch.nextafter(points, up), torch.nextafter(points, down)])
     values = values[values.isfinite() & (values.abs() <= 1)]
@@ -126,7 +132,7 @@ def test_single_process_equals_torchao_bitwise(eager_torchao, config):
     init = init_tensors(shapes)
     mine = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
     theirs = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
-    opt = AdamW8bit(list(mine.values()), **config)
+    opt = AdamW8bit(list(mine.values()), **config, fused=False)
     ref = eager_torchao.AdamW8bit(list(theirs.values()), block_size=256, **config)
     for step in range(4):
         gen = torch.Generator().manual_seed(step)
@@ -145,11 +151,14 @@ def test_single_process_equals_torchao_bitwise(eager_torchao, config):
 
 
 # ----------------------------------------------------------------------------- W invariance
-def _train(mode: str, tile: tuple[int, int] | None, steps: int = 3) -> dict[str, torch.Tensor]:
+def _train(
+    mode: str, tile: tuple[int, int] | None, steps: int = 3, fused: bool = False
+) -> dict[str, torch.Tensor]:
     """Full parameters and states after ``steps`` steps; identical gradients on every rank."""
     world = rank_world()[1]
     params, gbuf = mode_params(init_tensors(SHAPES), AdamW8bit.shard_policy(tile=tile), mode)
-    opt = AdamW8bit([(n, p) for n, p in params.items()], lr=0.01, amsgrad=True, tile=tile)
+    named = [(n, p) for n, p in params.items()]
+    opt = AdamW8bit(named, lr=0.01, amsgrad=True, tile=tile, fused=fused)
     for step in range(steps):
         grads = {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
         set_mode_grads(params, grads, gbuf)
@@ -162,14 +171,137 @@ def _train(mode: str, tile: tuple[int, int] | None, steps: int = 3) -> dict[str,
     return out
 
 
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "fused"]
+)
 @pytest.mark.parametrize("tile", [None, TILE], ids=["blocks", "tiles"])
 @pytest.mark.parametrize("mode", ["fsdp", "drop-in"])
-def test_results_are_bitwise_identical_at_every_world_size(pool, mode, tile):
-    expected = _train("single", tile)
-    for rank, result in enumerate(pool.run(_train, mode, tile)):
+def test_results_are_bitwise_identical_at_every_world_size(pool, mode, tile, fused):
+    """Eager and fused alike: each rank's regions differ with W (how many blocks a piece holds),
+    and every block is computed on its own, so the bits do not."""
+    expected = _train("single", tile, fused=fused)
+    for rank, result in enumerate(pool.run(_train, mode, tile, 3, fused)):
         assert result.keys() == expected.keys()
         for key, value in expected.items():
             assert torch.equal(result[key], value), (rank, key)
+
+
+# ----------------------------------------------------------------------------- fused step
+FUSED_SHAPES = {"emb": (96, 256), "w": (72, 100), "v": (5000,)}
+
+
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    bits = t.view(torch.int32).long()
+    return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+
+def _ulp(t: torch.Tensor) -> torch.Tensor:
+    t = t.abs()
+    return torch.nextafter(t, torch.full_like(t, float("inf"))) - t
+
+
+def _fused_vs_eager(tile, config: dict, steps: int = 6) -> dict[str, float]:
+    """Per step, the fused optimizer starts from the eager one's parameters and state (the
+    bitsandbytes protocol), so each figure is one step's difference, not a drift."""
+    init = init_tensors(FUSED_SHAPES)
+    eager = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    fused = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+    opt_e = AdamW8bit(list(eager.values()), tile=tile, fused=False, **config)
+    opt_f = AdamW8bit(list(fused.values()), tile=tile, fused=True, **config)
+    lr = opt_e.param_groups[0]["lr"]
+    worst = {"params": 0.0, "ulps": 0.0, "small": 0.0, "codes": 0.0, "code_gap": 0, "absmax": 0}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for n, shape in FUSED_SHAPES.items():
+            g = torch.randn(shape, generator=gen) * 10.0 ** -(step % 3)
+            eager[n].grad, fused[n].grad = g.clone(), g.clone()
+        opt_e.step()
+        opt_f.step()
+        for n in FUSED_SHAPES:
+            want = eager[n].detach()
+            diff = (want - fused[n].detach()).abs()
+            worst["params"] = max(worst["params"], diff.gt(0).float().mean().item())
+            large = want.abs() >= lr  # elsewhere an ulp of the result says little: use lr's
+            worst["ulps"] = max(worst["ulps"], (diff / _ulp(want))[large].max().item())
+            worst["small"] = max(worst["small"], diff[~large].max().item() / lr)
+            for key, value in opt_e.state[eager[n]].items():
+                other = opt_f.state[fused[n]][key]
+                if key.endswith("_codes"):
+                    gap = (value.int() - other.int()).abs()
+                    worst["codes"] = max(worst["codes"], gap.gt(0).float().mean().item())
+                    worst["code_gap"] = max(worst["code_gap"], int(gap.max()))
+                elif key.endswith("_absmax"):
+                    ulps = (_ordered_bits(value) - _ordered_bits(other)).abs().max()
+                    worst["absmax"] = max(worst["absmax"], int(ulps))
+            with torch.no_grad():
+                fused[n].copy_(eager[n])
+            for key, value in opt_e.state[eager[n]].items():
+                if key != "step":
+                    opt_f.state[fused[n]][key].copy_(value)
+    return worst
+
+
+@pytest.mark.parametrize(
+    ("tile", "config"),
+    [
+        (None, {}),
+        pytest.param(  # five more graphs to compile: ~45 s on 2 cores with a cold cache
+            TILE,
+            {"amsgrad": True, "maximize": True, "weight_decay": 0.1, "lr": 3e-3},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["blocks", "tiles-amsgrad-maximize"],
+)
+def test_fused_step_is_within_its_measured_distance_of_eager(tile, config):
+    """Inductor rounds ``lerp`` without an FMA and ``sqrt`` correctly (eager CPU uses an FMA and
+    MKL's sqrt), so one fused step differs from the eager one by an ulp here and there. The
+    bounds are those measured on these tensors (docs/optimizers.md has a larger run): at most
+    0.5 % of the parameters differ, by at most 2 ulps (or 2**-22 of the learning rate where a
+    parameter is below it); an absmax by 1 ulp; a code by one neighbour, on at most 4 in 10**6
+    elements (none here)."""
+    worst = _fused_vs_eager(tile, config)
+    assert worst["params"] <= 0.005, worst
+    assert worst["ulps"] <= 2 and worst["small"] <= 2.0**-22, worst
+    assert worst["absmax"] <= 1, worst
+    assert worst["code_gap"] <= 1 and worst["codes"] <= 4e-6, worst
+
+
+def test_fused_step_compiles_once_per_shape_set():
+    """A step compiles one graph per kind of region (whole blocks, a partial last block; graphs
+    specialise on which dims are 1, not on sizes): more steps, and parameters of other sizes,
+    reuse them."""
+    counters = torch._dynamo.utils.counters["stats"]
+    torch._dynamo.reset()  # forget graphs compiled by other tests: count this test's alone
+    before = counters["unique_graphs"]
+
+    def run(shapes, steps):
+        params = [torch.nn.Parameter(t) for t in init_tensors(shapes).values()]
+        opt = AdamW8bit(params, fused=True)
+        for step in range(steps):
+            for p in params:
+                p.grad = torch.full_like(p, 0.1 * (step + 1))
+            opt.step()
+            yield counters["unique_graphs"] - before
+
+    first, *later = run({"a": (40, 256), "b": (5000,), "c": (50, 100)}, steps=3)
+    assert first == 2 and later == [first, first]  # (blocks, 256) and (1 block, tail)
+    assert list(run({"d": (7, 4096), "e": (4100,)}, steps=2)) == [first, first]
+
+
+def test_fused_needs_a_compiler_and_says_so(monkeypatch):
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-c++-compiler"))
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    with pytest.raises(
+        RuntimeError, match=r"no C\+\+ compiler .*no-such-c\+\+-compiler.*fused=False"
+    ):
+        AdamW8bit([p], fused=True)
+    assert not use_compiled(None, torch.device("cpu"))  # CPU's default: eager, nothing probed
+    AdamW8bit([p])  # so the default still works without a compiler
+    with pytest.raises(ValueError, match="fused='yes'"):
+        AdamW8bit([p], fused="yes")
 
 
 # ----------------------------------------------------------------------------- accuracy
@@ -327,3 +459,14 @@ def test_block_cutting_shard_is_rejected_with_the_fix():
     small.grad = torch.ones(6, 8)
     opt.step()
     assert small.lt(1).all()
+
+
+def test_an_empty_parameter_keeps_full_precision_state_even_with_min_size_0():
+    """A tensor with no elements has no quantization blocks (its grid would divide by zero)."""
+    empty = torch.nn.Parameter(torch.zeros(0, 4))
+    full = torch.nn.Parameter(torch.randn(8, 8))
+    opt = AdamW8bit([empty, full], tile=(4, 4), min_8bit_size=0)
+    empty.grad, full.grad = torch.zeros_like(empty), torch.randn_like(full)
+    opt.step()
+    assert sorted(opt.state[empty]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert "exp_avg_codes" in opt.state[full]

@@ -62,3 +62,23 @@ def test_dropin_buckets_let_a_group_policy_decide_for_the_bucket(dist_pool) -> N
     for groups, units in dist_pool(2).run(_dropin_units):
         assert groups == [(list(SHAPES), 2)]
         assert units == {"w": 48, "b": 1, "v": 35}
+
+
+def test_a_checkpoint_older_than_a_group_option_loads_with_this_groups_value() -> None:
+    """Options added after a checkpoint was written (new hyper-parameters) are not in its
+    param_groups: loading keeps this optimizer's value instead of dropping the key."""
+    params = [torch.nn.Parameter(t) for t in init_tensors(SHAPES).values()]
+    opt = AdamW(params, lr=0.1, weight_decay=0.0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["amsgrad"], saved["param_groups"][0]["maximize"]
+    fresh = AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.1)
+    fresh.load_state_dict(saved)
+    group = fresh.param_groups[0]
+    assert group["amsgrad"] is False and group["maximize"] is False
+    assert group["weight_decay"] == 0.0  # saved values still win
+    for p in fresh.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    fresh.step()  # the step reads every option

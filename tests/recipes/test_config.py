@@ -62,6 +62,8 @@ def test_close_match_is_suggested():
         (["--steps", "0"], "steps=0 must be >= 1"),
         (["--config", "nope"], "no preset 'nope'; presets: debug"),
         (["stray"], "expected --key value"),
+        (["--lr"], "argument --lr: expected one argument"),
+        (["--lr", "--steps", "3"], "argument --lr: expected one argument"),
     ],
 )
 def test_bad_values_are_refused(argv, match):

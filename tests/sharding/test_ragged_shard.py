@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import time
 
 import pytest
 from hypothesis import given
@@ -126,3 +127,40 @@ def test_invalid_world_size_and_rank():
         RaggedShard.element_wise((4,), 2).offset(2)
     with pytest.raises(ValueError, match="flat range"):
         flat_range_to_boxes((2, 2), 1, 5)
+
+
+@given(
+    shape=st.lists(st.integers(0, 6), min_size=1, max_size=3).map(tuple),
+    world=st.integers(1, 12),
+    data=st.data(),
+)
+def test_bounds_and_lengths_follow_the_unit_counts(shape, world, data):
+    """The whole-tuple queries (computed without a loop over ranks) against their definition:
+    rank r starts at ``min(units before it * unit, numel)``."""
+    numel = math.prod(shape)
+    unit = data.draw(st.integers(1, max(numel, 1) + 2))
+    n_units = -(-numel // unit)
+    cuts = sorted(
+        data.draw(st.lists(st.integers(0, n_units), min_size=world - 1, max_size=world - 1))
+    )
+    counts = [b - a for a, b in zip([0, *cuts], [*cuts, n_units], strict=True)]
+    spec = RaggedShard.from_counts(shape, unit, counts)
+    before = itertools.accumulate(counts, initial=0)
+    assert tuple(spec.bounds) == tuple(min(u * unit, numel) for u in before)
+    assert spec.lengths == tuple(b - a for a, b in itertools.pairwise(spec.bounds))
+    assert spec.lengths == tuple(spec.length(r) for r in range(world))
+
+
+def test_every_rank_query_at_100k_ranks_takes_well_under_a_second():
+    """Per-rank queries are O(1) after the spec's O(W) precompute; the whole-tuple ones are
+    O(W) without a Python loop (at W = 100,000 ``lengths`` took an hour when each rank's
+    offset was recomputed). A spec's repr stays short enough for an error message."""
+    world = 100_000
+    start = time.process_time()
+    spec = RaggedShard.even((16 * world + 5,), world, 4, name="w")  # a short last unit
+    assert sum(spec.lengths) == spec.numel and spec.bounds[-1] == spec.numel
+    assert all(spec.length(r) == 4 * spec.units_per_rank[r] for r in range(world - 1))
+    assert spec.local_range(world - 1) == (spec.numel - 13, spec.numel)  # 3 units and 1
+    elapsed = time.process_time() - start
+    assert elapsed < 1.0, f"{elapsed:.2f} s of CPU for a spec's queries at W={world:,}"
+    assert len(repr(spec)) < 150 and "<99,992 more>" in repr(spec)
