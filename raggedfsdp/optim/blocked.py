@@ -29,6 +29,20 @@ from raggedfsdp.sharding.units import shampoo_blocked, shampoo_policy
 __all__ = ["BlockedOptimizer"]
 
 
+#: ``last_step_stats`` keys every blocked optimizer reports (each adds its own).
+BLOCK_STATS = (
+    "eigendecompositions",
+    "eigh_cost",
+    "eigh_batched",
+    "fp64_retries",
+    "root_failures",
+    "blocks",
+    "owner_slabs",
+    "bytes_sent",
+    "bytes_received",
+)
+
+
 class BlockedOptimizer(ShardedOptimizer):
     """A sharded optimizer whose math runs on whole ``B × B`` blocks (Shampoo, SOAP).
 

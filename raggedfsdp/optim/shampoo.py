@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.blocked import BlockedOptimizer
+from raggedfsdp.optim.blocked import BLOCK_STATS, BlockedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
 from raggedfsdp.optim.matrix_roots import RootJob, inverse_roots_
 from raggedfsdp.optim.pieces import unwrap
@@ -50,20 +50,7 @@ GRAFTINGS = (None, "sgd", "adagrad", "rmsprop", "adam")
 #: How inverse roots are computed (``raggedfsdp.optim.matrix_roots``).
 ROOT_METHODS = ("eigh", "newton")
 _DIAGONAL_GRAFTINGS = ("adagrad", "rmsprop", "adam")
-_STATS = (
-    "eigendecompositions",
-    "eigh_cost",
-    "eigh_batched",
-    "fp64_retries",
-    "root_failures",
-    "newton_roots",
-    "newton_iterations",
-    "newton_fallbacks",
-    "blocks",
-    "owner_slabs",
-    "bytes_sent",
-    "bytes_received",
-)
+_STATS = (*BLOCK_STATS, "newton_roots", "newton_iterations", "newton_fallbacks")
 
 
 # ----------------------------------------------------------------------------- the math
@@ -134,18 +121,12 @@ class _Block:
     def of(cls, factors: dict[str, Tensor], slab: int, j: int, rows: int, cols: int) -> _Block:
         """Block ``j`` of slab ``slab`` (this rank's factor index) of ``rows × cols``."""
         left, right = slice(0, rows), slice(0, cols)
-        if "factor_R" not in factors:
-            return cls(
-                factors["factor_L"][slab, j, left, left],
-                factors["inv_root_L"][slab, j, left, left],
-                None,
-                None,
-            )
+        one_sided = "factor_R" not in factors  # vectors: a left factor only
         return cls(
             factors["factor_L"][slab, j, left, left],
             factors["inv_root_L"][slab, j, left, left],
-            factors["factor_R"][slab, j, right, right],
-            factors["inv_root_R"][slab, j, right, right],
+            None if one_sided else factors["factor_R"][slab, j, right, right],
+            None if one_sided else factors["inv_root_R"][slab, j, right, right],
         )
 
     def sides(self, exponents: tuple[float, float]) -> list[tuple[Tensor, Tensor, float]]:

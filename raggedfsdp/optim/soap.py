@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from raggedfsdp.comm.mesh import MeshLike
-from raggedfsdp.optim.blocked import BlockedOptimizer
+from raggedfsdp.optim.blocked import BLOCK_STATS, BlockedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
 from raggedfsdp.optim.matrix_roots import descending_eigenbasis, refresh_eigenbasis
 from raggedfsdp.optim.pieces import unwrap
@@ -49,18 +49,7 @@ from raggedfsdp.sharding.units import check_preconditioner_dim
 
 __all__ = ["SOAP"]
 
-_STATS = (
-    "eigendecompositions",
-    "eigh_cost",
-    "eigh_batched",
-    "fp64_retries",
-    "root_failures",
-    "basis_refreshes",
-    "blocks",
-    "owner_slabs",
-    "bytes_sent",
-    "bytes_received",
-)
+_STATS = (*BLOCK_STATS, "basis_refreshes")
 
 
 # ----------------------------------------------------------------------------- the math
@@ -100,19 +89,12 @@ class _Block:
         """Block ``j`` (columns ``cols``) of this rank's ``k``-th slab, of ``rows`` rows."""
         v = state["exp_avg_sq"][k, :rows, cols]
         left, right = slice(0, rows), slice(0, v.shape[1])
-        if "factor_R" not in state:
-            return cls(
-                state["factor_L"][k, j, left, left],
-                state["basis_L"][k, j, left, left],
-                None,
-                None,
-                v,
-            )
+        one_sided = "factor_R" not in state  # vectors: a left factor only
         return cls(
             state["factor_L"][k, j, left, left],
             state["basis_L"][k, j, left, left],
-            state["factor_R"][k, j, right, right],
-            state["basis_R"][k, j, right, right],
+            None if one_sided else state["factor_R"][k, j, right, right],
+            None if one_sided else state["basis_R"][k, j, right, right],
             v,
         )
 
