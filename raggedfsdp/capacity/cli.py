@@ -89,7 +89,8 @@ def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentPa
     parser.add_argument(
         "--unit",
         choices=UNIT_KINDS,
-        help="unit policy (default: elements, fully_shard's default; rows with --unit-rows)",
+        help="unit policy (default: elements, fully_shard's default: whole experts where they "
+        "add no padding; rows with --unit-rows)",
     )
     parser.add_argument(
         "--unit-rows", type=_positive_int, help="rows per unit for 'rows' and 'expert' (default 1)"

@@ -49,7 +49,7 @@ from raggedfsdp.capacity.policies import is_expert, shard_policy
 from raggedfsdp.capacity.settings import Settings
 from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
 from raggedfsdp.sharding.planner import Layout, TensorSpec, plan_layout
-from raggedfsdp.sharding.units import resolve_units
+from raggedfsdp.sharding.units import expert_notes, resolve_units
 
 __all__ = ["Estimate", "GroupPlan", "estimate", "per_rank"]
 
@@ -307,6 +307,7 @@ def _notes(plans, settings: Settings) -> list[str]:
     notes = []
     for p in plans:
         notes += [f"{p.group.name}: {note}" for note in p.layout.notes]
+        notes += [f"{p.group.name}: {note}" for note in expert_notes(p.layout.tensors)]
         if p.empty_ranks:
             notes.append(
                 f"{p.group.name}: {p.empty_ranks:,} of {p.layout.world_size:,} ranks hold none "

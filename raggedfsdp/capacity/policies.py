@@ -25,6 +25,7 @@ from raggedfsdp.sharding.units import (
     WholeMatrices,
     adamw8bit_policy,
     combine,
+    element_units,
     matrix_unit,
     row_units,
     shampoo_policy,
@@ -51,7 +52,8 @@ def _positive_int(key: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class UnitPolicy:
-    """The user's unit: ``elements`` (ZeRO-style, ``fully_shard``'s default), ``rows`` (k rows,
+    """The user's unit: ``elements`` (``fully_shard``'s default: ZeRO-style element units, fused
+    experts whole where that adds no padding), ``rows`` (k rows,
     a row being a vector along the last dim), ``expert`` (whole expert matrices, k rows
     elsewhere) or ``matrix`` (whole matrices over the last two dims, so one slice of a stacked
     tensor; elements for vectors)."""
@@ -90,7 +92,7 @@ class UnitPolicy:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         return {
             "rows": rows,
-            "elements": "1 element",
+            "elements": "1 element, whole experts where free",
             "matrix": "whole matrices",
             "expert": f"whole experts, {rows} elsewhere",
         }[self.kind]
@@ -132,7 +134,7 @@ class OptimizerSpec:
             return shampoo_policy(self.preconditioner_dim)
         if self.name == "muon":
             return MuonShardPolicy(self.whole_matrices)
-        return DEFAULT_POLICY
+        return element_units()
 
     def describe(self) -> str:
         tile = f"{self.tile[0]}x{self.tile[1]} tiles" if self.tile else f"block {self.block_size}"

@@ -263,10 +263,13 @@ def fully_shard(
             times the sharded memory held from forward to backward, for an all-gather that stays
             inside a node. ``1`` means ``False``, ``W`` means ``True``.
         mp_policy: mixed precision (see ``MixedPrecisionPolicy``).
-        shard_policy: ``(fqn, param) -> unit in elements``; default element units, which pad
-            least (larger units that cover whole segments force the segment size to a multiple
-            of their LCM). Pass an optimizer's policy, e.g. ``AdamW8bit.shard_policy()``, so
-            its blocks are never cut.
+        shard_policy: ``(fqn, param) -> unit in elements``; default ``DEFAULT_POLICY``:
+            element units, which pad least (larger units that cover whole segments force the
+            segment size to a multiple of their LCM), except that fused expert tensors
+            (``(E, m, n)`` or under ``experts.``) keep each expert matrix, or ``k`` rows of it
+            when ``E < W``, whole on a rank wherever that adds no padding (the group's
+            ``notes`` say which). Pass an optimizer's policy, e.g.
+            ``combine(DEFAULT_POLICY, AdamW8bit.shard_policy())``, so its blocks are never cut.
 
     Parameters must be initialised identically on every rank (same seed), or afterwards: on
     the meta device, then ``to_empty(device=...)`` and ``nn.init`` on the sharded parameters

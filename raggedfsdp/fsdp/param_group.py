@@ -42,6 +42,7 @@ from raggedfsdp.sharding import (
     resolve_units,
 )
 from raggedfsdp.sharding import plan_layout as _plan_layout
+from raggedfsdp.sharding.units import expert_notes
 
 __all__ = ["ManagedParam", "ParamGroup", "is_plain_embedding_weight"]
 
@@ -98,6 +99,9 @@ class ParamGroup:
             for mp in params
         ]
         self.layout: Layout = _plan_layout(specs, mesh.shard_size)
+        # What the planner noted and what the units chose for expert tensors (whole experts,
+        # k rows of each, or cut), so a user can see why experts do or do not stay whole
+        self.notes: tuple[str, ...] = self.layout.notes + expert_notes(self.layout.tensors)
         self._build_storage(self.device)
         with torch.no_grad():
             self.master.load_full_tensors({mp.fqn: mp.original.detach() for mp in params})

@@ -23,6 +23,7 @@ from raggedfsdp.sharding.planner import (
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard, flat_range_to_boxes, row_numel
 from raggedfsdp.sharding.units import (
     DEFAULT_POLICY,
+    ExpertShardPolicy,
     GroupShardPolicy,
     MuonShardPolicy,
     ShardPolicy,
@@ -50,6 +51,7 @@ __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
     "DEFAULT_POLICY",
     "Box",
+    "ExpertShardPolicy",
     "FlatBuffer",
     "GroupShardPolicy",
     "Job",

@@ -19,6 +19,7 @@ classmethods return the policies built here.
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from raggedfsdp.sharding.ragged_shard import row_numel
 __all__ = [
     "DEFAULT_POLICY",
     "NON_MUON_MODULES",
+    "ExpertShardPolicy",
     "GroupShardPolicy",
     "MuonShardPolicy",
     "ShardPolicy",
@@ -37,8 +39,12 @@ __all__ = [
     "WholeMatrices",
     "adamw8bit_policy",
     "check_preconditioner_dim",
+    "coarsen_units",
     "combine",
     "element_units",
+    "expert_matrix",
+    "expert_notes",
+    "expert_unit_options",
     "is_muon_matrix",
     "is_quantized",
     "matrix_unit",
@@ -139,10 +145,6 @@ def element_units() -> ShardPolicy:
     return lambda fqn, param: 1
 
 
-#: ``fully_shard``'s default, and the capacity planner's: element units.
-DEFAULT_POLICY: ShardPolicy = element_units()
-
-
 def row_units(rows: int = 1) -> ShardPolicy:
     """Units of ``rows`` rows (vectors along the last dim; elements for 1-D tensors): keeps
     ``rows × n`` tiles such as 32×32 quantization blocks or 128×128 FP8 blocks whole."""
@@ -192,6 +194,54 @@ class _Combined(GroupShardPolicy):
     def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
         decided = [resolve_units(p, tensors, world_size) for p in self.policies]
         return {name: math.lcm(*(units[name] for units in decided)) for name, _, _ in tensors}
+
+
+# ----------------------------------------------------------------------------- coarser units
+#: How many tensors the one-by-one search tries (largest first): it plans the group once per
+#: trial, so a bound keeps planning a model with hundreds of tensors per group fast.
+MAX_COARSEN_TRIALS = 32
+
+
+def planned_padding(
+    tensors: Sequence[TensorEntry], units: Mapping[str, int], world_size: int, alignment_bytes: int
+) -> int:
+    """Padding elements of the group's planned layout with these units."""
+    dtype = str(tensors[0][2]).removeprefix("torch.") if tensors else "float32"
+    specs = [TensorSpec(name, tuple(shape), dtype, units[name]) for name, shape, _ in tensors]
+    layout = plan_layout(specs, world_size, alignment_bytes)
+    return layout.buffer_numel - layout.numel
+
+
+def coarsen_units(
+    tensors: Sequence[TensorEntry],
+    world_size: int,
+    options: Mapping[str, Sequence[int]],
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> dict[str, int]:
+    """Units as coarse as the group's padding allows: the search Muon's "auto" and the default
+    policy's experts share.
+
+    ``options[name]`` lists a tensor's acceptable coarser units, preferred first. Starting
+    from element units (whose planned padding is the budget), every tensor gets its first
+    option at once if that fits; otherwise tensors are tried one by one, largest first (the
+    ``MAX_COARSEN_TRIALS`` largest), each keeping the first option under which the padding
+    stays within the budget. So the result never pads more than element units do.
+    """
+    units = {name: 1 for name, _, _ in tensors}
+    if not options:
+        return units
+    budget = planned_padding(tensors, units, world_size, alignment_bytes)
+    every = units | {name: choices[0] for name, choices in options.items()}
+    if planned_padding(tensors, every, world_size, alignment_bytes) <= budget:
+        return every
+    sizes = {name: math.prod(shape) for name, shape, _ in tensors}
+    for name in sorted(options, key=lambda n: -sizes[n])[:MAX_COARSEN_TRIALS]:
+        for unit in options[name]:
+            trial = units | {name: unit}
+            if planned_padding(tensors, trial, world_size, alignment_bytes) <= budget:
+                units = trial
+                break
+    return units
 
 
 # ----------------------------------------------------------------------------- Muon
@@ -253,32 +303,130 @@ class MuonShardPolicy(GroupShardPolicy):
         units and make Muon matrices whole, all at once or else one by one (largest first,
         the 32 largest), while the planned padding stays at the element plan's."""
         units = {name: 1 for name, _, _ in tensors}
-        candidates = [
-            name
+        if self.whole_matrices is False or (world_size == 1 and self.whole_matrices == "auto"):
+            return units
+        options = {
+            name: [matrix_unit(shape)]
             for name, shape, _ in tensors
             if self.is_muon(name, tuple(shape)) and matrix_unit(shape) > 1
-        ]
-        if self.whole_matrices is not True and (self.whole_matrices is False or world_size == 1):
-            return units
-        shapes = {name: tuple(shape) for name, shape, _ in tensors}
+        }
         if self.whole_matrices is True:
-            return units | {n: matrix_unit(shapes[n]) for n in candidates}
-        dtype = str(tensors[0][2]).removeprefix("torch.") if tensors else "float32"
+            return units | {name: choices[0] for name, choices in options.items()}
+        return coarsen_units(tensors, world_size, options, self.alignment_bytes)
 
-        def padding(trial: dict[str, int]) -> int:
-            specs = [TensorSpec(n, shapes[n], dtype, trial[n]) for n, _, _ in tensors]
-            layout = plan_layout(specs, world_size, self.alignment_bytes)
-            return layout.buffer_numel - layout.numel
 
-        budget = padding(units)
-        every = units | {n: matrix_unit(shapes[n]) for n in candidates}
-        if padding(every) <= budget:
-            return every
-        for name in sorted(candidates, key=lambda n: -math.prod(shapes[n]))[:32]:
-            trial = units | {name: matrix_unit(shapes[name])}
-            if padding(trial) <= budget:
-                units = trial
-        return units
+# ----------------------------------------------------------------------------- experts
+#: Names of one expert's tensor (``experts.7.w1.weight``) and of anything under ``experts.``.
+_PER_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")
+_EXPERTS = re.compile(r"(^|\.)experts\.")
+
+#: Most row counts tried per fused expert tensor when whole experts are too coarse (E < W):
+#: each is one more plan of the group.
+MAX_ROW_OPTIONS = 4
+
+
+def expert_matrix(fqn: str, shape: Sequence[int]) -> tuple[int, int, int] | None:
+    """``(experts, rows, row length)`` of an expert tensor, or None for other tensors.
+
+    Fused experts are 3-D ``(E, m, n)`` tensors or tensors of 2+ dims under ``experts.`` (a
+    2-D ``(E, k)`` one holds one row per expert); one expert's own tensor
+    (``experts.3.w1``) is a single expert. Only ``shape`` and the name are read.
+    """
+    shape = tuple(shape)
+    named = _EXPERTS.search(fqn) is not None
+    if len(shape) < 2 or not (named or len(shape) == 3):
+        return None
+    if named and _PER_EXPERT.search(fqn) is not None:
+        return 1, math.prod(shape[:-1]), shape[-1]
+    return shape[0], math.prod(shape[1:-1]), shape[-1]
+
+
+def _divisors(n: int) -> list[int]:
+    """Divisors of ``n`` from the largest down."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)}, reverse=True)
+
+
+def expert_unit_options(experts: int, rows: int, row: int, world_size: int) -> list[int]:
+    """Units that keep expert matrices whole on a rank, preferred first: a whole expert, then,
+    for a fused tensor with fewer experts than ranks (whole experts leave ranks empty or pad),
+    ``k`` rows of one with ``k`` dividing the rows, largest first, so no piece spans two
+    experts. One expert's own tensor (``experts == 1``) is only ever kept whole: its siblings
+    are the other experts, and a model's many such tensors would each cost more plans."""
+    options = [rows * row]
+    if 1 < experts < world_size:
+        options += [k * row for k in _divisors(rows)[1 : MAX_ROW_OPTIONS + 1]]
+    return options
+
+
+class ExpertShardPolicy(GroupShardPolicy):
+    """``fully_shard``'s default: element units, except that fused expert tensors keep each
+    expert matrix whole on a rank (or ``k`` of its rows, when ``E < W``) wherever that adds no
+    padding to the group's element plan.
+
+    Experts whole on ranks are what Muon (per-expert Newton–Schulz without communication) and
+    block quantization want, and cutting through them is what an even dim-0 split does to
+    fused experts; since the group's padding never grows, dense tensors and the memory cost
+    are exactly those of element units. Asked per parameter it answers element units.
+    """
+
+    def __init__(self, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> None:
+        self.alignment_bytes = alignment_bytes
+
+    def __call__(self, fqn: str, param: Any) -> int:
+        return 1
+
+    def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
+        """Element units, then each expert tensor's ``expert_unit_options`` through the same
+        search as Muon's "auto" (``coarsen_units``). One rank cuts nothing: elements."""
+        if world_size == 1:
+            return {name: 1 for name, _, _ in tensors}
+        options = {}
+        for name, shape, _ in tensors:
+            matrix = expert_matrix(name, shape)
+            if matrix is not None and matrix[1] * matrix[2] > 1:
+                options[name] = expert_unit_options(*matrix, world_size)
+        return coarsen_units(tensors, world_size, options, self.alignment_bytes)
+
+
+#: ``fully_shard``'s default, and the capacity planner's: element units, whole experts where
+#: they add no padding (``ExpertShardPolicy``).
+DEFAULT_POLICY: ShardPolicy = ExpertShardPolicy()
+
+
+#: Expert tensors named one by one in a group's notes before a choice is summarised.
+MAX_NOTE_LINES = 4
+
+
+def expert_notes(tensors: Sequence[Any]) -> tuple[str, ...]:
+    """What a group's units mean for its expert tensors, from planned ``TensorSpec``-like
+    entries (``name``, ``shape``, ``unit``): whole experts per rank, ``k`` rows of each, or
+    experts cut between ranks. One line per tensor, or per choice when more than
+    ``MAX_NOTE_LINES`` tensors share it (a model with one tensor per expert); dense tensors
+    get none."""
+    chosen: dict[str, list[str]] = {}
+    for t in tensors:
+        matrix = expert_matrix(t.name, t.shape)
+        if matrix is not None and matrix[1] * matrix[2] > 0:
+            chosen.setdefault(_expert_choice(t.name, t.unit, *matrix), []).append(
+                f"{t.name} {tuple(t.shape)}"
+            )
+    notes = []
+    for choice, names in chosen.items():
+        if len(names) > MAX_NOTE_LINES:
+            names = [f"{len(names)} expert tensors ({names[0]}, ..., {names[-1]})"]
+        notes += [f"{name}: {choice}" for name in names]
+    return tuple(notes)
+
+
+def _expert_choice(name: str, unit: int, experts: int, rows: int, row: int) -> str:
+    """The words for what ``unit`` does to one expert tensor's ``rows x row`` matrices."""
+    what = "expert" if experts > 1 or _PER_EXPERT.search(name) else "slice"
+    if unit % (rows * row) == 0:
+        return f"whole {what}s on ranks"
+    if unit % row == 0 and (rows * row) % unit == 0:
+        return f"{unit // row} of each {what}'s {rows} rows together on a rank"
+    return f"{what}s cut between ranks (unit {unit}): whole ones were not found padding-free"
 
 
 # ----------------------------------------------------------------------------- 8-bit AdamW

@@ -122,7 +122,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.activation_checkpointing = activation_checkpointing
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(self.make_block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -130,6 +130,10 @@ class Transformer(nn.Module):
         self.register_buffer(
             "rope", rope_table(cfg.head_dim, seq_len, cfg.rope_theta), persistent=False
         )
+
+    def make_block(self, cfg: ModelConfig, index: int) -> nn.Module:
+        """Block ``index``; a model family with other blocks (the MoE one) overrides this."""
+        return Block(cfg)
 
     def init_weights(self, seed: int) -> None:
         """Initialise every parameter (see ``init_parameter``)."""
@@ -173,7 +177,7 @@ class Transformer(nn.Module):
 
 @torch.no_grad()
 def init_parameter(name: str, param: torch.Tensor, seed: int, n_layers: int) -> None:
-    """Normal(0, 0.02) matrices, the residual outputs (``wo``, ``w2``) scaled by
+    """Normal(0, 0.02) matrices, the residual outputs (``wo``, ``w2``, MoE ``experts.w2``) scaled by
     1/sqrt(2·n_layers) (GPT-2), unit norm weights. Each parameter draws from its own generator
     seeded by ``seed`` and its name, so the weights do not depend on the device, the order of
     initialisation or the world size, and every rank gets the same ones, as sharding requires."""
@@ -181,7 +185,8 @@ def init_parameter(name: str, param: torch.Tensor, seed: int, n_layers: int) -> 
         param.fill_(1.0)
         return
     gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
-    std = 0.02 / (2 * n_layers) ** 0.5 if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    residual = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+    std = 0.02 / (2 * n_layers) ** 0.5 if residual else 0.02
     param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 

@@ -76,8 +76,13 @@ def _mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
 
 
 @contextmanager
-def distributed(cfg: Config) -> Iterator[Env]:
-    """Join (or create) the default process group for the run, and leave what we created."""
+def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[Env]:
+    """Join (or create) the default process group for the run, and leave what we created.
+
+    ``agreed`` are errors that every rank raises at once (a refused run). On those and on a
+    normal end the ranks leave the group together (a barrier before tearing it down): gloo
+    aborts a rank whose peer closes its connections while it is still tearing down its own.
+    """
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(cfg.device, local_rank)
     created = not dist.is_initialized()
@@ -89,11 +94,19 @@ def distributed(cfg: Config) -> Iterator[Env]:
             dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    together = True
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         yield Env(rank, world, local_rank, device, _mesh(device, world, cfg.dp_replicate))
+    except agreed:
+        raise
+    except BaseException:
+        together = False  # a peer may be gone: waiting for it could hang
+        raise
     finally:
         if created:
+            if together and dist.get_world_size() > 1:
+                dist.barrier()
             dist.destroy_process_group()
 
 

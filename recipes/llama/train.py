@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     joined = False
     try:
         cfg = parse_args(argv)
-        with distributed(cfg) as env:
+        with distributed(cfg, agreed=(ConfigError, DataError, CheckpointError)) as env:
             joined = True
             train(cfg, env)
     except (ConfigError, DataError, CheckpointError) as err:

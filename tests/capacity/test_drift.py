@@ -36,8 +36,8 @@ from raggedfsdp.optim import SOAP, AdamW, AdamW8bit, Muon, Shampoo
 from raggedfsdp.sharding import FlatBuffer, RaggedTensor
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
 from raggedfsdp.sharding.units import (
+    DEFAULT_POLICY,
     combine,
-    element_units,
     is_muon_matrix,
     resolve_units,
     row_units,
@@ -88,7 +88,7 @@ OPTIMIZERS: dict[str, tuple[OptimizerSpec, type, dict[str, Any]]] = {
 }
 #: the planner's unit setting -> the policy a user passes to fully_shard for it
 USER_UNITS = {
-    "elements": (UnitPolicy("elements"), element_units()),
+    "elements": (UnitPolicy("elements"), DEFAULT_POLICY),
     "rows": (UnitPolicy("rows", 2), row_units(2)),
 }
 
@@ -221,3 +221,13 @@ def test_muon_balance_is_what_a_real_muon_step_reports(pool, opt: str) -> None:
     sent = [r["bytes_sent"] for r in ranks]
     assert max(sent) == mu.moved_bytes_max
     assert math.isclose(sum(sent) / len(sent), mu.moved_bytes_mean)
+
+
+def test_the_default_unit_keeps_experts_whole_where_free_as_fully_shard_does() -> None:
+    # at W=2 whole experts (and whole slices of the 3-D conv) cost no padding over elements
+    layer = MODEL.groups[1]
+    est = _estimate(2, "adamw")
+    planned = {t.name: t.unit for t in _plan_of(est, layer).layout.tensors}
+    assert planned["mlp.experts.w1"] == planned["mlp.experts.3.w1"] == 48 * 64
+    assert planned["conv.weight"] == 40 * 36 and planned["attn.wq.weight"] == 1
+    assert "layer: mlp.experts.w1 (4, 48, 64): whole experts on ranks" in est.notes
