@@ -37,24 +37,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from measure import init_gloo, peak_above_now, peak_allocated, reset_peak, spawn_ranks, status_kib
 from torch import nn
-
-from raggedfsdp.comm.launch import free_port
-
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "65536",
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_TRIM_THRESHOLD_": "65536",
-}
 
 
 class Block(nn.Module):
@@ -113,13 +104,13 @@ class PhaseRecorder:
 
     def start(self) -> None:
         self.rows.clear()
-        _reset_peak()
+        reset_peak()
         self._base = status_kib("VmRSS")
 
     def mark(self, label: str) -> None:
         rss, hwm = status_kib("VmRSS"), status_kib("VmHWM")
         self.rows.append((label, (rss - self._base) / 1024, (hwm - self._base) / 1024))
-        _reset_peak()
+        reset_peak()
 
     def bound(self, needs: dict[str, int]) -> float:
         """The highest peak with ``needs[label]`` bytes added to the interval ending at
@@ -157,45 +148,6 @@ def gathered_bytes(model: Model, args: argparse.Namespace) -> dict[str, int]:
             if name != "embed":
                 needs[f"backward {name} end"] = nbytes(read_in_backward)
     return needs
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def _peak_above_now(fn) -> float:
-    """Run ``fn`` and return its peak resident memory above the level before it, in MiB."""
-    _reset_peak()
-    before = status_kib("VmRSS")
-    fn()
-    return (status_kib("VmHWM") - before) / 1024
-
-
-def _peak_allocated(fn) -> float:
-    """Run ``fn`` under the profiler; the peak of live tensor bytes above the start, in MiB."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]"
-    )
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak / 2**20
-
-
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _model(args: argparse.Namespace) -> Model:
@@ -261,11 +213,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.Queue) -> None:
-    torch.set_num_threads(max(1, os.cpu_count() // world))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    init_gloo(rank, world, port)
     models = {name: build(name, args) for name in ("ours", "fsdp2")}
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
@@ -313,15 +262,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: mp.
             times[name]["gather"].append((time.perf_counter() - t0) / args.gather_repeats)
             dist.barrier()
             t0 = time.perf_counter()
-            times[name]["mem"].append(
-                _peak_above_now(lambda n=name: losses.__setitem__(n, step(n)))
-            )
+            times[name]["mem"].append(peak_above_now(lambda n=name: losses.__setitem__(n, step(n))))
             times[name]["step"].append(time.perf_counter() - t0)
-    allocated = {name: _peak_allocated(lambda n=name: step(n)) for name in models}
+    allocated = {name: peak_allocated(lambda n=name: step(n)) for name in models}
     forward_backward(floor)  # warm-up
     runs = [floor_peaks() for _ in range(3)]
     floor_mem, bound = (statistics.median(run[i] for run in runs) for i in (0, 1))
-    floor_allocated = _peak_allocated(lambda: forward_backward(floor))
+    floor_allocated = peak_allocated(lambda: forward_backward(floor))
     if rank == 0:
         out.put(
             {
@@ -341,17 +288,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--gather-repeats", type=int, default=5)
     args = parser.parse_args()
-    os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    mp.start_processes(
-        _worker,
-        args=(args.world_size, port, args, out),
-        nprocs=args.world_size,
-        start_method="spawn",
-    )
-    res = out.get()
+    res = spawn_ranks(_worker, args, args.world_size)
     ours, peer, floor = res["ours"], res["fsdp2"], res["floor"]
     ratios = {
         "unshard_reshard": ours["gather"] / peer["gather"],

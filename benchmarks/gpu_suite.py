@@ -277,6 +277,48 @@ class Suite:
         assert diff < 1e-4, f"parameters differ from the unwrapped model by {diff}"
         return f"max |param diff| {diff:.1e} after 3 accumulated steps"
 
+    def float8_all_gather(self) -> str:
+        """``Float8Blocks(128)``: the gathered bf16 weights equal one process's
+        dequantize(quantize(master)) bitwise, on this device; with the codes kept,
+        ``float8_block_linear`` runs ``scaled_mm`` (1x128 activations, 128x128 weights) on CUDA,
+        close to the bf16 matmul of the dequantized operands, and its gradients reach the
+        master; on the CPU it falls back to the bf16 matmul."""
+        import warnings
+
+        import raggedfsdp
+        from raggedfsdp.fsdp import Float8BlockLinear, Float8Blocks, float8_block_linear
+        from raggedfsdp.fsdp.float8 import dequantize_tiles, quantize_tiles
+
+        torch.manual_seed(0)
+        model = nn.Sequential(Float8BlockLinear(512, 256), nn.GELU(), Float8BlockLinear(256, 384))
+        model.to(self.device)
+        want = [quantize_tiles(m.weight.detach()[None], 128) for m in (model[0], model[2])]
+        fp8 = Float8Blocks(128, keep_weights=True)
+        policy = raggedfsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32, all_gather=fp8)
+        raggedfsdp.fully_shard(model, mp_policy=policy)
+        model.unshard()
+        for linear, (codes, scales) in zip((model[0], model[2]), want, strict=True):
+            expected = dequantize_tiles(codes, scales, 128, torch.bfloat16)[0]
+            assert torch.equal(linear.weight, expected), "gathered weights differ"
+            assert torch.equal(linear.weight.float8_blocks.scales, scales[0]), "scales differ"
+        x = torch.randn(64, 512, device=self.device, dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = float8_block_linear(x, model[0].weight, model[0].bias)
+        xc, xs = quantize_tiles(x[None].float(), (1, 128))
+        x_deq = dequantize_tiles(xc, xs, (1, 128), torch.float32)[0]
+        operands = x_deq if self.device.type == "cuda" else x.float()
+        ref = operands @ model[0].weight.float().t() + model[0].bias.float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, f"FP8 linear off by {err:.3g} (relative)"
+        model.reshard()
+        loss = model(x).float().square().mean()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and g.local.isfinite().all() for g in grads), "bad gradients"
+        path = "scaled_mm" if self.device.type == "cuda" else "bf16 fallback"
+        return f"{path}, relative error {err:.2e}"
+
     def fully_shard_meta_init(self) -> str:
         """FSDP2's meta-device flow on this device: wrap on meta, ``to_empty`` here, initialise
         in place (random fills draw on this device's generator, as one process would), train;
@@ -484,6 +526,7 @@ def main() -> int:
             suite.check("fully_shard_training", suite.fully_shard_steps)
             suite.check("fully_shard_controls", suite.fully_shard_controls)
             suite.check("fully_shard_meta_init", suite.fully_shard_meta_init)
+            suite.check("float8_all_gather", suite.float8_all_gather)
         suite.measure("ceilings", suite.ceilings)
         if hasattr(suite, "peak_tflops"):
             for rows, cols in suite.sizes["ns"]:

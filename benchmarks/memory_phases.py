@@ -24,13 +24,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from fsdp_vs_fsdp2 import (
-    MALLOC_ENV,
     PhaseRecorder,
     add_model_arguments,
     build,
     build_floor,
     gathered_bytes,
 )
+from measure import MALLOC_ENV
 
 from raggedfsdp.comm.launch import free_port
 

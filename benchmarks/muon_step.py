@@ -13,7 +13,8 @@ alternately over the same gradients, medians of CPU time:
 
 NS FLOPs per step (``ns_flops``) over the median step give each variant's GFLOP/s, beside the
 bf16 matmul ceiling measured in the same run (the best of a 2048² ``mm`` and a batched
-``bmm`` of the experts' shape).
+``bmm`` of the experts' shape). The per-matrix rate over that ceiling is the lowest batched /
+per-matrix ratio that removing every per-call cost could reach (``limit_vs_per-matrix``).
 
 **Distributed** (``--part worlds``):
 
@@ -146,6 +147,7 @@ def moe_side_by_side(args: argparse.Namespace) -> dict:
         for s in shapes.values()
     )
     med = {n: statistics.median(t) for n, t in cpu.items()}
+    ceiling = matmul_ceiling(args.experts, args.expert_hidden, args.moe_dim)
     return {
         "shapes": {"layers": args.moe_layers, "dim": args.moe_dim, "experts": args.experts},
         "expert_hidden": args.expert_hidden,
@@ -154,8 +156,11 @@ def moe_side_by_side(args: argparse.Namespace) -> dict:
         "ns_calls": {n: o.last_step_stats["ns_calls"] for n, o in opts.items() if n != "torch"},
         "median_cpu_s": med,
         "ns_gflops": {n: flops / t / 1e9 for n, t in med.items()},
-        "ceiling_gflops": matmul_ceiling(args.experts, args.expert_hidden, args.moe_dim),
+        "ceiling_gflops": ceiling,
         "ratios": {f"batched_vs_{n}": med["batched"] / med[n] for n in med if n != "batched"},
+        # the lowest batched / per-matrix any batching could reach: the per-matrix step's NS
+        # run at the matmul ceiling
+        "limit_vs_per-matrix": flops / med["per-matrix"] / 1e9 / ceiling,
     }
 
 
@@ -164,7 +169,8 @@ def print_moe(r: dict) -> None:
     print(
         f"MoE Muon step, one process, {r['threads']} thread(s): {s['layers']} layers, d={s['dim']},"
         f" E={s['experts']} experts of hidden {r['expert_hidden']}, {r['matrices']} matrices; "
-        f"bf16 matmul ceiling {r['ceiling_gflops']:.0f} GFLOP/s"
+        f"bf16 matmul ceiling {r['ceiling_gflops']:.0f} GFLOP/s; batched / per-matrix cannot go "
+        f"below {r['limit_vs_per-matrix']:.2f} (per-matrix NS GFLOP/s / ceiling)"
     )
     print("| variant | median CPU ms | NS chains | NS GFLOP/s | % of ceiling | batched / variant |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -1,26 +1,32 @@
-"""Shampoo step: batched vs per-block eigendecompositions side by side, against this machine's
-eigh and matmul ceilings; optionally the step at W = 1, 2, 4 (CPU, gloo).
+"""Shampoo step: where its time goes on CPU, batched vs per-block eigendecompositions and block
+products side by side, against this machine's eigh and matmul ceilings; optionally the step at
+W = 1, 2, 4 (CPU, gloo).
 
 The parameters are 4 layers of a small transformer (qkv 768x256, o 256x256, up 1024x256,
 down 256x1024, a norm), so block sizes repeat: at B = 128 every block is 128x128 (384
-eigendecompositions per step, one batched call); at B = 1024 the 768-, 256- and 1024-sided
-factors repeat across layers. Roots are recomputed every step (frequency 1).
+eigendecompositions per root step, 192 blocks); at B = 1024 the 768-, 256- and 1024-sided
+factors repeat across layers.
 
-Part 1 (one process, one thread): ``Shampoo(batch_roots=True)`` and ``batch_roots=False`` (and
-``SOAP`` with its bases refreshed every step, for scale) step on the same gradients in one run,
-alternating A B A B; medians and the batched/per-block ratio. Nominal FLOPs per step (eigh
-counted 9n³, the textbook cost of a symmetric eigendecomposition with vectors; matmuls 2mnk)
-over the median step give the achieved rate, beside two ceilings measured in the same run: one
-eigh of each block size alone (9n³ / its time) and a 1024³ fp32 matmul. The share of the step
-inside ``torch.linalg.eigh`` says where the time goes.
+Part 1 (one process, one thread), per root frequency (``--frequencies``: 1, every step, is
+eigh-bound; 100, DistributedShampoo's default, times the steps between roots): ``Shampoo()``
+(batched eigh on CPU), ``batch_roots=False`` (everything per block), ``batch_blocks=True``
+(equal-size blocks' products as one ``bmm`` per group) and ``SOAP`` for scale step on the same
+gradients, alternating, after the first roots; medians and ratios to the per-block step. Beside
+them, the step's block products alone (one ``mm`` each on contiguous blocks: the matmul floor of
+a step without roots) and its GFLOP/s; the share of the step inside ``torch.linalg.eigh``;
+nominal GFLOP/s (eigh counted 9n³, the textbook cost of a symmetric eigendecomposition with
+vectors; matmuls 2mnk) against two ceilings measured in the same run: one eigh of each block
+size alone and a 1024³ fp32 matmul.
 
 Part 2 (``--worlds``): the step at each world size with ``Shampoo.shard_policy(B)`` (every block
-whole on one rank, 0 bytes moved); on a 2-core machine W = 4 oversubscribes the cores.
+whole on one rank, 0 bytes moved), roots every step; on a 2-core machine W = 4 oversubscribes
+the cores.
 
 DistributedShampoo's own step is not measured: it is not on PyPI (installed from its
 repository, which this machine cannot reach) and needs Python >= 3.12.
 
-    python benchmarks/shampoo_step.py [--blocks 128 1024] [--repeats 5] [--worlds 1 2 4]
+    python benchmarks/shampoo_step.py [--blocks 128 1024] [--frequencies 1 100] [--repeats 5]
+        [--worlds 1 2 4]
 """
 
 from __future__ import annotations
@@ -153,47 +159,79 @@ class _EighTimer:
         torch.linalg.eigh = self._eigh
 
 
-def side_by_side(block: int, repeats: int) -> dict:
-    """Part 1: batched vs per-block Shampoo (and SOAP) in one process, alternating."""
+def _product_flops(block: int) -> float:
+    """The step's block products: G Gᵀ, Gᵀ G and L⁻ᵖ F R⁻ᵖ per block (2mnk each)."""
+    return sum(2 * (2 * r * r * c + 2 * r * c * c) for r, c in _blocks(block))
+
+
+def _products_floor(block: int) -> Callable[[], None]:
+    """The step's block products alone, one ``mm`` each on contiguous blocks: the time the
+    blocked part of a step without roots cannot go below at this machine's matmul rate."""
+    gen = torch.Generator().manual_seed(0)
+    data = [
+        (torch.randn(r, c, generator=gen), torch.randn(r, r, generator=gen),
+         torch.randn(c, c, generator=gen))
+        for r, c in _blocks(block)
+    ]  # fmt: skip
+
+    def run() -> None:
+        for g, left, right in data:
+            _ = g @ g.T, g.T @ g, (left @ g) @ right
+
+    return run
+
+
+def side_by_side(block: int, repeats: int, freq: int) -> dict:
+    """Part 1: Shampoo's default (batched eigh), everything per block, and batched block
+    products (``batch_blocks=True``), with SOAP for scale, roots every ``freq`` steps; in one
+    process, alternating, over the steps after the first roots (with ``freq`` > 1, steps
+    without roots, as most steps are), beside the block products alone (``floor``)."""
     from raggedfsdp.optim import SOAP, Shampoo
 
+    common = {"max_preconditioner_dim": block, "epsilon": 1e-6, "precondition_frequency": freq}
     runs = {
-        "batched": lambda p: Shampoo(p, max_preconditioner_dim=block, epsilon=1e-6),
-        "per_block": lambda p: Shampoo(
-            p, max_preconditioner_dim=block, epsilon=1e-6, batch_roots=False
-        ),
-        "soap": lambda p: SOAP(p, max_preconditioner_dim=block, precondition_frequency=1),
+        "batched": lambda p: Shampoo(p, **common),
+        "per_block": lambda p: Shampoo(p, **common, batch_roots=False),
+        "batch_blocks": lambda p: Shampoo(p, **common, batch_blocks=True),
+        "soap": lambda p: SOAP(p, max_preconditioner_dim=block, precondition_frequency=freq),
     }
     opts, params = {}, {}
     for name, make in runs.items():
         params[name] = _params(block, 0, 1)
         opts[name] = make(list(params[name].items()))
-        for step in range(2):  # state, first roots / bases
+        for step in range(freq + 1):  # state, first roots / bases at the start step
             _set_grads(params[name], step)
             opts[name].step()
-    times = {name: [] for name in runs}
+    floor = _products_floor(block)
+    times = {name: [] for name in [*runs, "floor"]}
     shares = {name: [] for name in runs}
     for rep in range(repeats):
         for name in runs:
-            _set_grads(params[name], 2 + rep)
+            _set_grads(params[name], freq + 1 + rep)
             with _EighTimer() as timer:
                 start = time.perf_counter()
                 opts[name].step()
                 elapsed = time.perf_counter() - start
             times[name].append(elapsed)
             shares[name].append(timer.seconds / elapsed)
+        start = time.perf_counter()
+        floor()
+        times["floor"].append(time.perf_counter() - start)
     med = {name: statistics.median(t) for name, t in times.items()}
     stats = opts["batched"].last_step_stats
+    eigh_s = med["batched"] * statistics.median(shares["batched"])
     return {
         "step_ms": {name: 1e3 * t for name, t in med.items()},
         "eigh_share": {name: statistics.median(s) for name, s in shares.items()},
-        "batched_over_per_block": med["batched"] / med["per_block"],
+        "over_per_block": {n: med[n] / med["per_block"] for n in ("batched", "batch_blocks")},
+        "floor_share": med["floor"] / med["per_block"],
+        "products_gflops": _product_flops(block) / med["floor"] / 1e9,
         "eigendecompositions": stats["eigendecompositions"],
         "eigh_batched": stats["eigh_batched"],
-        "gflops": _nominal_flops(block) / med["batched"] / 1e9,
-        "eigh_gflops": _eigh_flops(block)
-        / (med["batched"] * statistics.median(shares["batched"]))
+        "gflops": (_nominal_flops(block) if freq == 1 else _product_flops(block))
+        / med["batched"]
         / 1e9,
+        "eigh_gflops": _eigh_flops(block) / eigh_s / 1e9 if eigh_s else 0.0,
         "ceilings_gflops": _ceilings(block),
     }
 
@@ -253,27 +291,33 @@ def world_sizes(worlds: list[int], blocks: list[int], steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, nargs="+", default=[128, 1024])
+    parser.add_argument("--frequencies", type=int, nargs="+", default=[1, 100])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worlds", type=int, nargs="*", default=[])
     parser.add_argument("--steps", type=int, default=4, help="steps per world size (part 2)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    part1 = {block: side_by_side(block, args.repeats) for block in args.blocks}
+    part1 = {
+        f"freq{freq}_B{block}": side_by_side(block, args.repeats, freq)
+        for freq in args.frequencies
+        for block in args.blocks
+    }
     part2 = world_sizes(args.worlds, args.blocks, args.steps) if args.worlds else {}
     print(json.dumps({"benchmark": "shampoo_step", "side_by_side": part1, "worlds": part2}))
     print(
-        f"{'B':>5} {'batched ms':>11} {'per-block ms':>13} {'ratio':>6} {'SOAP ms':>8} "
-        f"{'eigh share':>11} {'eighs':>6} {'GFLOP/s':>8} {'eigh GFLOP/s':>13}  ceilings GFLOP/s"
+        f"{'case':>12} {'batched ms':>11} {'per-block ms':>13} {'ratio':>6} "
+        f"{'batch_blocks':>13} {'ratio':>6} {'SOAP ms':>8} {'eigh share':>11} "
+        f"{'products ms':>12} {'share':>6} {'GFLOP/s':>8}  ceilings GFLOP/s"
     )
-    for block, r in part1.items():
-        ms = r["step_ms"]
+    for case, r in part1.items():
+        ms, over = r["step_ms"], r["over_per_block"]
         ceilings = ", ".join(f"{k} {v:.1f}" for k, v in r["ceilings_gflops"].items())
         print(
-            f"{block:>5} {ms['batched']:11.1f} {ms['per_block']:13.1f} "
-            f"{r['batched_over_per_block']:6.2f} {ms['soap']:8.1f} "
-            f"{r['eigh_share']['batched']:11.2f} {r['eigendecompositions']:6d} "
-            f"{r['gflops']:8.2f} {r['eigh_gflops']:13.2f}  {ceilings}"
+            f"{case:>12} {ms['batched']:11.1f} {ms['per_block']:13.1f} {over['batched']:6.2f} "
+            f"{ms['batch_blocks']:13.1f} {over['batch_blocks']:6.2f} {ms['soap']:8.1f} "
+            f"{r['eigh_share']['per_block']:11.2f} {ms['floor']:12.1f} "
+            f"{r['floor_share']:6.2f} {r['products_gflops']:8.1f}  {ceilings}"
         )
     for world, per_block in part2.items():
         for block, r in per_block.items():

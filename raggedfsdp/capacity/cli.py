@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from raggedfsdp.capacity.float8 import ALL_GATHER_KINDS
 from raggedfsdp.capacity.hf_config import EXPERT_LAYOUTS
 from raggedfsdp.capacity.loader import load_model, preset_names
 from raggedfsdp.capacity.memory import estimate
@@ -31,6 +32,7 @@ EXAMPLES = """examples:
   python -m raggedfsdp.plan deepseek-v3 --mesh 8x256 --unit-rows 128 --optimizer adamw8bit
   python -m raggedfsdp.plan path/to/config.json -w 64 --experts fused --optimizer muon --json
   python -m raggedfsdp.plan shapes.json --model my-model -w 8 --gpu-memory 80
+  python -m raggedfsdp.plan deepseek-v3 -w 256 --experts fused --all-gather fp8
 """
 
 
@@ -62,6 +64,16 @@ def _tile(text: str) -> tuple[int, int]:
 
 
 _WHOLE = {"auto": "auto", "always": True, "never": False}
+
+
+def _add_all_gather(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--all-gather",
+        choices=ALL_GATHER_KINDS,
+        default="param",
+        help="what the all-gather moves: the param dtype, or fp8 (128x128 block-wise FP8 "
+        "weights with fp32 tile scales, 128-row units; Float8Blocks(128))",
+    )
 
 
 def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentParser:
@@ -119,6 +131,7 @@ def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentPa
         "padding (auto, Muon.shard_policy()'s default)",
     )
     parser.add_argument("--param-dtype", default="bf16", help="all-gather / compute dtype")
+    _add_all_gather(parser)
     parser.add_argument("--master-dtype", default="fp32", help="sharded master weights")
     parser.add_argument("--reduce-dtype", default="fp32", help="gradient reduce-scatter dtype")
     parser.add_argument(
@@ -160,6 +173,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         precision=Precision(args.param_dtype, args.master_dtype, args.reduce_dtype),
         reshard_after_forward=not args.no_reshard_after_forward,
         backend=args.backend,
+        all_gather=args.all_gather,
     )
 
 

@@ -19,9 +19,12 @@ Memory model (what ``raggedfsdp.fully_shard`` holds, per rank, in bytes):
   ``--param-dtype`` gradients, held until its last one arrives (the larger of "all held beside
   the parameters" and "all held beside the gradient buffer, the parameters freed"), and the
   sharded gradients of the groups already reduced. (On gloo the all-gather is an in-place OR
-  all-reduce, so no collective stages a copy of a full buffer there.) A root group (tied
-  embeddings) stays gathered throughout forward and backward and holds its fresh gradients
-  until its last one arrives.
+  all-reduce, so no collective stages a copy of a full buffer there.) A root group stays
+  gathered from its forward to its backward (``fully_shard``'s default, FSDP2's schedule). Tied
+  to its embedding (no output map of its own) it is read to the end of backward and holds its
+  fresh gradients until the lookup's, the last, arrives; untied, its backward (the head's) is
+  the first, beside the prefetched last block, after which it is reduced and freed, and its
+  embedding tables (planned into a group of their own) are freed after forward.
 
 The total is the persistent part plus the largest phase. Activations and optimizer-step
 temporaries are not included (they depend on batch, sequence length, checkpointing, kernels).
@@ -42,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from raggedfsdp.capacity.float8 import float8_summary, gather_policy, payload
 from raggedfsdp.capacity.model_shapes import Group, ModelShapes, PlanError
 from raggedfsdp.capacity.muon import MuonBalance, muon_balance
 from raggedfsdp.capacity.optimizer_state import counter_bytes, state_per_rank
@@ -68,6 +72,7 @@ class GroupPlan:
     fsdp2_cut: int  # tensors whose units FSDP2's even dim-0 split cuts
     state: np.ndarray  # optimizer state bytes per rank
     empty_ranks: int  # ranks holding no element of the group
+    gather_bytes: int = 0  # bytes per rank of the group's all-gather (FP8 payload or param dtype)
 
     @property
     def segment(self) -> int:
@@ -105,6 +110,7 @@ class Estimate:
     muon: MuonBalance | None
     notes: list[str]
     elapsed_s: float
+    float8: dict[str, float] | None = None  # --all-gather fp8: one gather of every group
 
     def to_dict(self) -> dict[str, Any]:
         s, mesh = self.settings, self.settings.mesh
@@ -132,6 +138,8 @@ class Estimate:
             "padding": self.padding,
             "traffic_bytes": self.traffic,
             "muon": None if self.muon is None else self.muon.to_dict(),
+            "all_gather": s.all_gather,
+            "float8_all_gather_bytes": self.float8,
             "groups": [p.to_dict() for p in self.plans],
             "notes": self.notes,
             "planning_time_s": sum(p.layout.planning_time_s for p in self.plans),
@@ -165,11 +173,13 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
     """Plan one group as ``fully_shard`` would: units from the user's policy combined with the
     optimizer's (``resolve_units``), then the optimizer's state on that layout."""
     world, dtype = settings.mesh.shard, settings.precision.master
-    policy = shard_policy(settings.units, settings.optimizer)
+    policy = gather_policy(shard_policy(settings.units, settings.optimizer), settings.all_gather)
     units = resolve_units(policy, [(name, shape, dtype) for name, shape in group.tensors], world)
     specs = [TensorSpec(name, shape, dtype, units[name]) for name, shape in group.tensors]
     layout = plan_layout(specs, world, settings.alignment_bytes)
     held = per_rank(layout, [1.0] * len(specs))
+    pb = settings.precision.bytes("param")
+    fp8 = settings.all_gather == "fp8"
     return GroupPlan(
         group=group,
         instances=instances,
@@ -178,6 +188,7 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
         fsdp2_cut=sum(fsdp2_cuts_units(t.shape, world, t.unit) for t in specs),
         state=state_per_rank(layout, group.tensors, settings.optimizer, dtype),
         empty_ranks=int((held == 0).sum()),
+        gather_bytes=payload(layout, pb).segment_bytes if fp8 else layout.segment_size * pb,
     )
 
 
@@ -218,6 +229,11 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
         muon=muon,
         notes=_notes(plans.values(), settings),
         elapsed_s=time.perf_counter() - t0,
+        float8=(
+            float8_summary(plans.values(), settings.precision.bytes("param"))
+            if settings.all_gather == "fp8"
+            else None
+        ),
     )
 
 
@@ -226,17 +242,25 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
     mb, pb, rb = prec.bytes("master"), prec.bytes("param"), prec.bytes("reduce")
     segments = sum(p.instances * p.segment for p in plans)
     state = sum(p.instances * p.state for p in plans) + counters
-    cast = pb if prec.param != prec.master else 0
-    persistent = segments * (mb + cast) + float(state.max())
+    fp8 = settings.all_gather == "fp8"
+    # no persistent param-dtype copy: each gather casts (or quantizes) the master segment
+    persistent = segments * mb + float(state.max())
 
     window = [p for p, root in sequence if not root]
     roots = [p for p, root in sequence if root]
-    full = [world * p.segment * pb for p in window]
+    # the FP8 payload lives beside the param-dtype buffer from its gather until unpacked
+    full = [world * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in window]
     grad_full = [world * p.segment * rb for p in window]
     held = [p.layout.numel * pb for p in window]  # a group's fresh gradients, before the copy
     sharded = [p.segment * mb for p in window]
-    root_full = sum(world * p.segment * pb for p in roots)
-    root_held = sum(p.layout.numel * pb for p in roots)  # their gradients wait for the last one
+    root_full = sum(world * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in roots)
+    # a tied root is read to the end of backward (the embedding's lookup gradient comes last);
+    # an untied one only in its own backward, the first, after which it is reduced and freed
+    tied = [p for p in roots if not _has_head(p)]
+    untied = [p for p in roots if _has_head(p)]
+    root_kept = sum(world * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in tied)
+    root_held = sum(p.layout.numel * pb for p in tied)  # their gradients wait for the last one
+    root_sharded = sum(p.segment * mb for p in untied)  # reduced before any block's backward
     later = np.concatenate([np.cumsum(sharded[::-1])[::-1][1:], [0.0]]) if window else []
     gathered_upto = np.cumsum(full) if window else []
     names = [p.group.name for p in window]
@@ -252,17 +276,21 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
         params = full[i] + behind if settings.reshard_after_forward else gathered_upto[i]
         in_flight = grad_full[i + 1] if nccl and i + 1 < n else 0.0
         flush = behind + held[i] + grad_full[i] + in_flight
-        unsharded = root_full + root_held + max(params + held[i], flush)
-        phases.append((unsharded, later[i], f"backward of {names[i]}"))
-    if roots:
-        root_grads = sum(world * p.segment * rb for p in roots)
-        phases.append((root_full + root_held + root_grads, sum(sharded), "backward of the root"))
+        unsharded = root_kept + root_held + max(params + held[i], flush)
+        phases.append((unsharded, later[i] + root_sharded, f"backward of {names[i]}"))
+    if tied:
+        root_grads = sum(world * p.segment * rb for p in tied)
+        phases.append((root_kept + root_held + root_grads, sum(sharded), "backward of the root"))
+    for p in untied:  # the head's backward, the last block prefetched beside it
+        read = _read_in_backward(p) * pb
+        beside = (full[-1] if window else 0.0) + root_kept + root_held
+        flush = read + world * p.segment * rb  # its fresh gradients, then the flat buffer
+        phases.append((beside + max(2 * read, flush), 0.0, "backward of the root"))
     all_grads = segments * mb
     phases.append((0.0, all_grads, "optimizer step"))
     unsharded, grads_then, label = max(phases, key=lambda ph: ph[0] + ph[1])
     memory = {
         "params": segments * mb,
-        "param_cast": segments * cast,
         "grads": all_grads,
         "optimizer": float(state.max()),
         "optimizer_mean": float(state.mean()),
@@ -271,6 +299,30 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
     }
     memory = {k: float(v) for k, v in memory.items()}  # plain floats for JSON
     return memory, label
+
+
+#: Module names of output maps: a root group holding one is untied from its embedding.
+HEADS = ("output", "lm_head", "head", "classifier")
+
+
+def _module(name: str) -> str:
+    return name.rsplit(".", 1)[0].rsplit(".", 1)[-1].lower() if "." in name else ""
+
+
+def _is_lookup(name: str) -> bool:
+    """An embedding table (read by lookups only, in an untied model)."""
+    return "embed" in name.lower() or _module(name) in ("wte", "wpe")
+
+
+def _has_head(plan: GroupPlan) -> bool:
+    """A root group with its own output map: backward reads it in the root's backward only."""
+    return any(_module(name) in HEADS for name, _ in plan.group.tensors)
+
+
+def _read_in_backward(plan: GroupPlan) -> int:
+    """Elements of an untied root group that backward reads: all but its embedding tables,
+    which ``fully_shard`` plans into a group of their own, freed after forward."""
+    return sum(math.prod(shape) for name, shape in plan.group.tensors if not _is_lookup(name))
 
 
 def _padding(plans, numel: int) -> dict[str, float]:
@@ -297,7 +349,8 @@ def _traffic(sequence, settings: Settings) -> dict[str, float]:
     for plan, root in sequence:
         gathers = 1 if root or not settings.reshard_after_forward else 2
         for out, seg in ((ours, plan.segment), (fsdp2, plan.fsdp2_shard)):
-            out["all_gather"] += gathers * (world - 1) * seg * pb
+            size = plan.gather_bytes if out is ours else seg * pb
+            out["all_gather"] += gathers * (world - 1) * size
             out["reduce_scatter"] += (world - 1) * seg * rb
             out["all_reduce"] += 2 * (rep - 1) / rep * seg * rb
     return {**ours, **{f"fsdp2_{k}": v for k, v in fsdp2.items()}}

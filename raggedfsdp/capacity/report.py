@@ -37,6 +37,8 @@ def render(est: Estimate, gpu_memory_gib: float | None = None) -> str:
     """The report: settings, per-rank memory, padding, traffic, Muon balance, groups, notes."""
     lines = [*_settings(est), "", *_memory(est, gpu_memory_gib), "", *_padding(est)]
     lines += ["", *_traffic(est)]
+    if est.float8 is not None:
+        lines += ["", *_float8(est.float8)]
     if est.muon is not None:
         lines += ["", _muon(est.muon)]
     lines += ["", *_groups(est), "", "Notes"] + [f"  - {note}" for note in est.notes]
@@ -62,7 +64,6 @@ def _memory(est: Estimate, gpu_memory_gib: float | None) -> list[str]:
     mem, prec = est.memory, est.settings.precision
     rows = [
         [f"sharded parameters ({prec.master})", format_bytes(mem["params"])],
-        [f"all-gather input copies ({prec.param})", format_bytes(mem["param_cast"])],
         [f"sharded gradients ({prec.master})", format_bytes(mem["grads"])],
         [
             f"optimizer state (max rank; mean {format_bytes(mem['optimizer_mean'])})",
@@ -109,6 +110,22 @@ def _traffic(est: Estimate) -> list[str]:
     return [
         "Traffic per rank per step (bytes sent; as many received)",
         *_table(["", "raggedfsdp", "FSDP2"], cells),
+    ]
+
+
+def _float8(f: dict[str, float]) -> list[str]:
+    rows = [
+        ["FP8 codes", format_bytes(f["codes"])],
+        ["fp32 tile scales", format_bytes(f["scales"])],
+        ["tensors kept in the param dtype", format_bytes(f["kept"])],
+        ["padding (ranks' segments are equal)", format_bytes(f["padding"])],
+        ["FP8 payload", format_bytes(f["payload"])],
+        ["param-dtype gather of the same layout", format_bytes(f["param_gather"])],
+    ]
+    return [
+        f"FP8 all-gather (128x128 tiles), one gather of every group: {f['ratio']:.4f}x the "
+        "param-dtype bytes",
+        *_table(["", "bytes"], rows)[1:],
     ]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from raggedfsdp.capacity.float8 import ALL_GATHER_KINDS
 from raggedfsdp.capacity.model_shapes import PlanError
 from raggedfsdp.capacity.policies import OptimizerSpec, UnitPolicy
 from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, dtype_itemsize
@@ -98,7 +99,12 @@ class Settings:
     reshard_after_forward: bool = True
     backend: str = "nccl"
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
+    all_gather: str = "param"  # "fp8": MixedPrecisionPolicy(all_gather=Float8Blocks(128))
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise PlanError(f"backend {self.backend!r}: choose one of {list(BACKENDS)}")
+        if self.all_gather not in ALL_GATHER_KINDS:
+            raise PlanError(
+                f"--all-gather {self.all_gather!r}: choose one of {list(ALL_GATHER_KINDS)}"
+            )

@@ -252,12 +252,12 @@ def fully_shard(
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and gathers
             them again for backward (ZeRO-3); ``False`` keeps them until backward ends
             (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default):
-            ``True``, the root included. FSDP2 keeps the root's parameters for its backward,
-            which comes first, through the loss's backward, usually the step's memory summit;
-            ours frees them and gathers them again when backward reaches the root, without
-            prefetching the next group beside the head's backward: one all-gather more per step,
-            exposed, for the root's weights (and one prefetch) less at the summit. ``False`` on
-            the root is FSDP2's default. An int ``k`` (dividing the shard size ``W``, e.g. the
+            ``True``, except on the root, which keeps its parameters from forward to its
+            backward, as FSDP2's does: that backward (the head's) comes first, so freeing them
+            would cost a second all-gather of them per step, exposed. Its embedding weights,
+            which backward does not read, are freed after forward all the same. ``True`` on
+            the root frees the rest too (their bytes less through the loss's backward, one
+            all-gather more per step). An int ``k`` (dividing the shard size ``W``, e.g. the
             GPUs of one node) keeps this rank's ``1/k`` of the gathered buffer after forward, so
             backward gathers over ``k`` consecutive shard ranks only (FSDP2's meaning): ``W/k``
             times the sharded memory held from forward to backward, for an all-gather that stays

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from raggedfsdp.fsdp.float8 import Float8Blocks
+
 __all__ = ["MixedPrecisionPolicy"]
 
 
@@ -22,9 +24,22 @@ class MixedPrecisionPolicy:
             gradient is written into the flat reduce-scatter buffer).
         output_dtype: cast floating-point forward outputs to this dtype; ``None`` leaves them.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        all_gather: what the all-gather moves. ``None``: the parameters in ``param_dtype``.
+            ``Float8Blocks(128)``: eligible weights as FP8 codes with one fp32 scale per
+            128x128 tile, quantized from the fp32 master by the rank owning the tile and
+            dequantized into ``param_dtype`` parameters after the gather (about half the bytes
+            of a bf16 gather); see ``raggedfsdp.fsdp.float8``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    all_gather: Float8Blocks | None = None
+
+    def __post_init__(self) -> None:
+        if self.all_gather is not None and not isinstance(self.all_gather, Float8Blocks):
+            raise TypeError(
+                f"MixedPrecisionPolicy: all_gather={self.all_gather!r} must be None (gather in "
+                "param_dtype) or raggedfsdp.fsdp.Float8Blocks(128)"
+            )

@@ -32,6 +32,7 @@ from raggedfsdp.comm import (
     reduce_scatter_flat,
 )
 from raggedfsdp.comm.errors import failing_as
+from raggedfsdp.fsdp.float8_gather import Float8Gather, float8_notes
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.sharding import (
     FlatBuffer,
@@ -39,10 +40,11 @@ from raggedfsdp.sharding import (
     RaggedTensor,
     ShardPolicy,
     TensorSpec,
+    combine,
     resolve_units,
 )
 from raggedfsdp.sharding import plan_layout as _plan_layout
-from raggedfsdp.sharding.units import expert_notes
+from raggedfsdp.sharding.units import expert_notes, float8_block_policy
 
 __all__ = ["ManagedParam", "ParamGroup", "is_plain_embedding_weight"]
 
@@ -93,6 +95,9 @@ class ParamGroup:
                     "one device. Move/cast the module first, or wrap the differing submodule "
                     "in its own fully_shard call."
                 )
+        fp8 = mp_policy.all_gather
+        if fp8 is not None:  # every FP8 tile whole on one rank, whatever else the policy wants
+            shard_policy = combine(shard_policy, float8_block_policy(fp8.block))
         units = _units(shard_policy, params, self.orig_dtype, mesh.shard_size)
         specs = [
             TensorSpec(mp.fqn, tuple(mp.original.shape), self.orig_dtype, units[mp.fqn])
@@ -102,6 +107,10 @@ class ParamGroup:
         # What the planner noted and what the units chose for expert tensors (whole experts,
         # k rows of each, or cut), so a user can see why experts do or do not stay whole
         self.notes: tuple[str, ...] = self.layout.notes + expert_notes(self.layout.tensors)
+        compute_dtype = mp_policy.param_dtype or self.orig_dtype
+        self._float8 = None if fp8 is None else Float8Gather(self.layout, fp8, compute_dtype)
+        if fp8 is not None:
+            self.notes += float8_notes(self.layout, fp8, compute_dtype, name)
         self._build_storage(self.device)
         with torch.no_grad():
             self.master.load_full_tensors({mp.fqn: mp.original.detach() for mp in params})
@@ -109,6 +118,8 @@ class ParamGroup:
             mp.original = None
         self.is_unsharded = False
         self._gather: CommHandle | None = None
+        self._payload: torch.Tensor | None = None  # the FP8 gather's bytes until unpacked
+        self.all_gather_bytes = 0  # bytes of every all-gather output so far (a metric)
         self._version = 0  # the compute buffer's autograd version before the pending gather
         self._reduce: tuple[CommHandle, torch.Tensor] | None = None
         self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
@@ -146,7 +157,10 @@ class ParamGroup:
         self.compute = (
             self.master
             if compute_dtype == self.orig_dtype
-            else FlatBuffer(self.layout, rank, compute_dtype, device)
+            # No persistent compute-dtype segment: each gather casts the master segment into
+            # its own place in the gathered buffer (as FSDP2 casts at gather time), and the FP8
+            # gather packs its own payload, so a bf16 group keeps 4, not 6, bytes per element
+            else FlatBuffer(self.layout, rank, compute_dtype, device, with_shard=False)
         )
         # Only the full gradient buffer persists (as storage that is freed between backwards);
         # sharded gradients are fresh tensors per reduction, freed by zero_grad(set_to_none).
@@ -288,15 +302,22 @@ class ParamGroup:
                 self.wait_for_unshard()
             return
         with torch.no_grad():
-            if self._post_forward is not None:
-                mesh, chunk = self._post_forward
-            else:
-                mesh, chunk = self.mesh, self.compute.shard
-                if self.compute is not self.master:
-                    self.compute.shard.copy_(self.master.shard)  # cast fp32 -> param_dtype (1/W)
-                self._gathered_version = self._master_version()
             full = self.compute.alloc_full()
             self._version = full._version
+            if self._post_forward is not None:
+                mesh, chunk = self._post_forward
+            elif self._float8 is not None:  # quantize this rank's tiles into a byte payload
+                mesh = self.mesh
+                full, chunk = self._float8.pack(self.master, self.mesh.shard_rank)
+                self._payload = full
+                self._gathered_version = self._master_version()
+            else:
+                mesh, chunk = self.mesh, self.master.shard
+                if self.compute is not self.master:  # cast fp32 -> param_dtype in place (1/W)
+                    size, rank = chunk.numel(), self.mesh.shard_rank
+                    chunk = full[rank * size : (rank + 1) * size].copy_(self.master.shard)
+                self._gathered_version = self._master_version()
+            self.all_gather_bytes += full.numel() * full.element_size()
             with self._failing_as("all-gather"):
                 self._gather = all_gather_flat(
                     full,
@@ -324,6 +345,12 @@ class ParamGroup:
         with self._failing_as("all-gather"):
             gather.wait()
         self._post_forward = None  # gathered from it (the handle held it until now)
+        if self._payload is not None:
+            payload, self._payload = self._payload, None
+            with torch.no_grad():
+                self._float8.unpack(payload, self.compute)
+                if self.mp_policy.all_gather.keep_weights:  # for FP8 matmuls (float8_linear)
+                    self._float8.keep(payload, self.params)
         # The collective rewrote the storage that saved activations of the unsharded params
         # point at, with the data they had: undo the version bump (which gloo makes whenever
         # the work completes) so autograd's in-place check stays quiet, as FSDP2 does.
@@ -342,6 +369,8 @@ class ParamGroup:
         self.use_sharded_params()
         self._post_forward = None
         if self.is_unsharded and free:
+            if self._float8 is not None:
+                self._float8.drop(self.params)
             if keep_for is not None:
                 full = self.compute.full
                 size = full.numel() // keep_for.shard_size

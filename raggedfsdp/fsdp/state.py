@@ -10,8 +10,8 @@ from then on:
 * post-forward: reshard (keeping a chunk for a subgroup's all-gather if
   ``reshard_after_forward`` is an int; not at all if asked not to, and then under
   ``torch.no_grad`` keeping only the memory, showing the sharded parameters again; by default
-  the root too, which FSDP2 keeps: the loss's backward, between the root's forward and its
-  backward, is usually the step's memory summit) and hook the
+  not the root's main group either, as FSDP2: its backward comes first, and freeing it would
+  cost a second all-gather of it per step) and hook the
   outputs so the group is gathered again (unless ``set_unshard_in_backward(False)``, the
   default for groups of ``nn.Embedding`` weights, whose backward reads none), and the
   one before it (or those ``set_modules_to_backward_prefetch`` named) prefetched, when their
@@ -388,8 +388,13 @@ class FSDPState:
         return output
 
     def _reshard_after_forward(self) -> None:
-        keep = self.reshard_after_forward is False  # the default (None) frees the root too
         backward_comes = torch.is_grad_enabled()
+        keep = self.reshard_after_forward is False
+        if self.reshard_after_forward is None and self.is_root and backward_comes:
+            # FSDP2's root: its backward (the head's) comes first, so gathering it again there
+            # would add an all-gather per step and leave it exposed (its embedding group,
+            # ``forward_only``, is still freed: backward reads none of it)
+            keep = True
         outputs, stop = self._outputs, self._input_nodes
         self._outputs, self._input_nodes = [], set()  # holding the outputs would keep the graph
         for group in self.groups:
@@ -442,11 +447,19 @@ class FSDPState:
         return group is not None and self.unshard_in_backward and not group.done_reading
 
     def _grad_hook(self, group: ParamGroup, index: int) -> Callable[[nn.Parameter], None]:
+        """The hook holds the state and the group weakly: held strongly, the cycle tensor ->
+        hook -> group -> tensor runs through a tensor's hooks, which Python's garbage collector
+        does not see, and a deleted model would never be freed."""
+        state_ref, group_ref = weakref.ref(self), weakref.ref(group)
+
         def hook(param: nn.Parameter) -> None:
-            self.ctx.start_backward()
-            self.ctx.release_finished_reduces()
+            state, group = state_ref(), group_ref()
+            if state is None or group is None:  # the model was deleted during its backward
+                return
+            state.ctx.start_backward()
+            state.ctx.release_finished_reduces()
             group.accumulate_grad(index, param)
-            self._release(group)
+            state._release(group)
 
         return hook
 

@@ -9,12 +9,13 @@ whether a parameter is quantized depends on its global size only. Shards are cut
 boundaries (``shard_policy``), so each rank quantizes whole blocks of its own and the results are
 the same bits at every world size.
 
-``fused=True`` runs the step compiled (``torch.compile``, as torchao does): one loop nest per
-region of blocks that reads the codes, gradient and parameter once and writes them once, instead
-of about fifty eager passes (:func:`adamw8bit_blocks_`, the same math, region by region). The
-state format, the blocks and the world-size invariance are the same; the bits differ from the
-eager step by an ulp where inductor and eager round differently (eager ``lerp`` is an FMA, eager
-``sqrt`` on CPU is MKL's, not correctly rounded), see ``docs/optimizers.md``.
+``fused=True`` runs the step in one pass per block instead of about fifty eager passes: on CPU
+for fp32 parameters a hand-written kernel (``native.py``: each block decoded once, AVX-512
+gathers from L1-sized tables; its codes and scales are the eager step's bits), elsewhere
+compiled (``torch.compile`` of :func:`adamw8bit_blocks_`, the same math region by region, as
+torchao does). The state format, the blocks and the world-size invariance are the same;
+parameters differ from the eager step by an ulp where rounding differs (eager ``sqrt`` on CPU is
+MKL's, not correctly rounded; inductor's ``lerp`` is no FMA), see ``docs/optimizers.md``.
 
 State per quantized parameter: ``<moment>_codes`` (uint8, the parameter's shape and split) and
 ``<moment>_absmax`` (fp32, one per block: shape ``(num_blocks,)`` or the tile grid, split with
@@ -37,6 +38,7 @@ from raggedfsdp.optim.adamw import check_adam_args
 from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.compiled import CompiledRegions, use_compiled
 from raggedfsdp.optim.contract import Piece, StateSpec, check_unit_alignment
+from raggedfsdp.optim.native import cpu_kernel, native_update_
 from raggedfsdp.optim.pieces import flat, merge_runs, unwrap
 from raggedfsdp.optim.quant import (
     BlockGrid,
@@ -200,12 +202,13 @@ class AdamW8bit(ShardedOptimizer):
         min_8bit_size: parameters with fewer elements keep full-precision state (4096, like
             bitsandbytes and torchao). Unlike torchao, larger parameters whose size is not a
             multiple of the block are quantized too, with a shorter last block (as bitsandbytes).
-        fused: run the step compiled (``torch.compile``: one pass over the state instead of
-            about fifty): True, False (eager, the op-by-op reference, bitwise torchao's eager
-            step), or None for the device's default: compiled on CUDA / XPU where triton can
-            build kernels, eager on CPU (compiling needs a C++ compiler and tens of seconds per
-            graph there; pass True for long CPU runs). True raises at construction, with the
-            fix, where kernels cannot be built. Either way the state is the same format.
+        fused: run the step fused (one pass over the state instead of about fifty: on CPU a
+            built kernel for fp32 parameters, elsewhere ``torch.compile``): True, False (eager,
+            the op-by-op reference, bitwise torchao's eager step), or None for the device's
+            default: compiled on CUDA / XPU where triton can build kernels, eager on CPU (pass
+            True there: the kernel builds in seconds, once per machine). True raises at
+            construction, with the fix, where kernels cannot be built. Either way the state is
+            the same format.
         mesh: ranks for the drop-in mode (see ``raggedfsdp.optim.AdamW``).
     """
 
@@ -329,10 +332,21 @@ class AdamW8bit(ShardedOptimizer):
 
     # ----------------------------------------------------------------------------- update
     def _compiled(self, device: torch.device) -> bool:
-        """Whether this optimizer's step runs compiled on ``device`` (decided once per device)."""
+        """Whether this optimizer's step runs fused on ``device`` (decided once per device; on
+        CPU the kernel is built here, so a build failure shows at construction)."""
         if device not in self._compiled_on:
             self._compiled_on[device] = use_compiled(self.fused, device)
+            if self._compiled_on[device] and device.type == "cpu":
+                cpu_kernel()
         return self._compiled_on[device]
+
+    def _update_fn(self, p: Tensor) -> Any:
+        """The step for a piece: eager, the CPU kernel (fp32 parameters on CPU), or inductor."""
+        if not self._compiled(p.device):
+            return adamw8bit_update_
+        if p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous():
+            return native_update_
+        return fused_update_
 
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
         h = _Hyper.of(group, step)
@@ -356,7 +370,6 @@ class AdamW8bit(ShardedOptimizer):
                 )
                 for m in moments
             ]
-            update_ = fused_update_ if self._compiled(p.device) else adamw8bit_update_
-            update_(p, pc.local_grad().reshape(-1), stored, grid, h)
+            self._update_fn(p)(p, pc.local_grad().reshape(-1), stored, grid, h)
         for p, g, *states in merge_runs(full) + full_single:
             adamw_full_(p, g, states, h)

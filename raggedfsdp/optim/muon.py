@@ -446,8 +446,9 @@ class Muon(ShardedOptimizer):
             size = max(1, cap // math.prod(shape)) if batched else 1
             for i in range(0, len(mats), size):
                 batch = mats[i : i + size]
-                if len(batch) == 1:
-                    batch[0].copy_(newton_schulz(batch[0], *ns))
+                stack = batch[0] if len(batch) == 1 else _stack_view(batch)
+                if stack is not None:
+                    stack.copy_(newton_schulz(stack, *ns))
                 else:
                     for mat, out in zip(batch, newton_schulz(torch.stack(batch), *ns), strict=True):
                         mat.copy_(out)
@@ -480,6 +481,23 @@ class Muon(ShardedOptimizer):
         stats["ns_loads"].append(plan.loads)
         stats["matrices"] += len(plan.matrices)
         stats["matrices_local"] += plan.free
+
+
+def _stack_view(mats: Sequence[Tensor]) -> Tensor | None:
+    """``mats`` as one ``(B, m, n)`` view where they lie back to back in one buffer from a
+    64-byte aligned start (the experts of one stacked parameter in its flat NS input): the
+    layout ``torch.stack`` would give, without the copy in and the copy per matrix back.
+    None otherwise."""
+    first = mats[0]
+    numel, start = first.numel(), first.data_ptr()
+    if start % 64 or not all(m.is_contiguous() for m in mats):
+        return None
+    step = numel * first.element_size()
+    if any(m.data_ptr() != start + i * step for i, m in enumerate(mats)):
+        return None
+    if any(m.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for m in mats):
+        return None
+    return first.as_strided((len(mats), *first.shape), (numel, *first.stride()))
 
 
 def _adamw_group(group: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from raggedfsdp.comm.mesh import MeshLike
+from raggedfsdp.optim.block_batches import batchable_block, group_blocks
 from raggedfsdp.optim.blocked import BLOCK_STATS, BlockedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
 from raggedfsdp.optim.matrix_roots import RootJob, inverse_roots_
@@ -72,9 +73,12 @@ class _Hyper:
     root_method: str
     eps_before: bool
     batching: bool | None
+    batch_blocks: bool
 
     @classmethod
-    def of(cls, group: dict[str, Any], step: Tensor, batching: bool | None) -> _Hyper:
+    def of(
+        cls, group: dict[str, Any], step: Tensor, batching: bool | None, batch_blocks: bool
+    ) -> _Hyper:
         t = int(step.item()) + 1
         freq, start = group["precondition_frequency"], group["start_preconditioning_step"]
         beta1, beta2 = group["betas"]
@@ -93,6 +97,7 @@ class _Hyper:
             root_method=group["root_method"],
             eps_before=group["epsilon_before_decomposition"],
             batching=batching,
+            batch_blocks=batch_blocks,
         )
 
 
@@ -218,6 +223,98 @@ def add_momentum_(
     return d.mul(1 - dampening).add_(m, alpha=momentum)
 
 
+@dataclass
+class _Placed:
+    """A block of the step: its factors and roots, order, slab (index into the tasks) and
+    columns of the slab."""
+
+    block: _Block
+    order: int
+    task: int
+    cols: slice
+
+    def shape(self) -> tuple[int, int]:
+        return self.block.L.shape[0], self.cols.stop - self.cols.start
+
+
+def _batch_key(p: _Placed, h: _Hyper) -> tuple | None:
+    """Blocks with equal keys share one ``bmm`` per product (None: one by one): with
+    ``batch_blocks``, matrix blocks of one shape, dtype and device, of sizes where that is
+    bitwise the per-block path on CPU (``block_batches``)."""
+    L = p.block.L
+    if not h.batch_blocks or p.order != 2 or not batchable_block(*p.shape(), L.dtype):
+        return None
+    return (*p.shape(), L.dtype, L.device)
+
+
+def accumulate_batch_(batch: Sequence[_Placed], tasks: Sequence[SlabTask], h: _Hyper) -> None:
+    """Step 3 for equal-size blocks at once: the blocks stacked by one copy, ``G Gᵀ`` and
+    ``Gᵀ G`` by one ``bmm`` each, added to every block's factor by one foreach call (the
+    per-block ops, so the per-block bits)."""
+    if len(batch) == 1:
+        p = batch[0]
+        g = tasks[p.task].inputs["grad"][:, p.cols]
+        # a fresh contiguous copy: the matmuls see the same memory layout on every rank
+        gb = g.to(p.block.L.dtype, copy=True).contiguous()
+        accumulate_factors_(p.block, gb, h.beta2, h.exponents[p.order])
+        return
+    dtype = batch[0].block.L.dtype
+    g = torch.stack([tasks[p.task].inputs["grad"][:, p.cols] for p in batch]).to(dtype)
+    exponents = h.exponents[2]
+    for side in (0, 1):
+        if exponents[side] <= 0:
+            continue
+        left, right = (g, g.mT) if side == 0 else (g.mT, g)
+        outer = torch.bmm(left, right)
+        factors = [p.block.L if side == 0 else p.block.R for p in batch]
+        if h.beta2 == 1.0:
+            torch._foreach_add_(factors, list(outer.unbind(0)))
+        else:
+            torch._foreach_mul_(factors, h.beta2)
+            torch._foreach_add_(factors, list(outer.unbind(0)), alpha=1 - h.beta2)
+
+
+def direction_batch(batch: Sequence[_Placed], tasks: Sequence[SlabTask], h: _Hyper) -> Tensor:
+    """Step 7 for equal-size blocks at once: ``L^{-p} F̂ R^{-p}`` of the stacked blocks by one
+    ``bmm`` per side, grafted with one norm call per operand; ``(blocks, rows, cols)``."""
+    if len(batch) == 1:
+        p = batch[0]
+        s = precondition(p.block, tasks[p.task].inputs["filtered"][:, p.cols], h.exponents[p.order])
+        if h.grafting is not None:
+            s = graft(s, tasks[p.task].inputs["graft"][:, p.cols])
+        return s.unsqueeze(0)
+    dtype = batch[0].block.L.dtype
+    s = torch.stack([tasks[p.task].inputs["filtered"][:, p.cols] for p in batch]).to(dtype)
+    exponents = h.exponents[2]
+    if exponents[0] > 0:
+        s = torch.bmm(torch.stack([p.block.L_inv for p in batch]), s)
+    if exponents[1] > 0:
+        s = torch.bmm(s, torch.stack([p.block.R_inv for p in batch]))
+    if h.grafting is None:
+        return s
+    # per block, as ``graft`` takes them: a norm of a strided view has other bits than a norm
+    # of the same values stacked (the reduction order differs); one foreach call still
+    a = [tasks[p.task].inputs["graft"][:, p.cols].to(dtype) for p in batch]
+    a_norm = torch.stack(torch._foreach_norm(a))
+    scale = a_norm / (torch.linalg.vector_norm(s, dim=(1, 2)) + _GRAFT_TINY)
+    return s.mul_(scale[:, None, None])
+
+
+def _place(
+    tasks: Sequence[SlabTask], factors_of: Callable[[Piece], dict[str, Tensor]]
+) -> list[_Placed]:
+    """Every block of every slab of the step, in slab then column order."""
+    placed = []
+    for n, task in enumerate(tasks):
+        b = task.geometry.blocks
+        factors, rows = factors_of(task.piece), task.inputs["grad"].shape[0]
+        for j in range(b.col_blocks):
+            cols = slice(j * b.block_cols, min((j + 1) * b.block_cols, b.cols))
+            block = _Block.of(factors, task.owned, j, rows, cols.stop - cols.start)
+            placed.append(_Placed(block, b.order, n, cols))
+    return placed
+
+
 def shampoo_slabs(
     tasks: Sequence[SlabTask],
     factors_of: Callable[[Piece], dict[str, Tensor]],
@@ -226,33 +323,23 @@ def shampoo_slabs(
 ) -> list[Tensor]:
     """Steps 3, 6 and 7 on every block of every slab this rank computes (``tasks``): factors,
     the roots due (all of them at once, so equal sizes share batched eigendecompositions),
-    then each block's (grafted) Shampoo direction. Returns each slab's direction."""
-    blocks, orders, where = [], [], []
-    for n, task in enumerate(tasks):
-        b = task.geometry.blocks
-        factors, g = factors_of(task.piece), task.inputs["grad"]
-        for j in range(b.col_blocks):
-            cols = slice(j * b.block_cols, min((j + 1) * b.block_cols, b.cols))
-            block = _Block.of(factors, task.owned, j, g.shape[0], cols.stop - cols.start)
-            # a fresh contiguous copy: the matmuls see the same memory layout on every rank
-            gb = g[:, cols].to(block.L.dtype, copy=True).contiguous()
-            accumulate_factors_(block, gb, h.beta2, h.exponents[b.order])
-            blocks.append(block)
-            orders.append(b.order)
-            where.append((n, cols))
+    then each block's (grafted) Shampoo direction; with ``batch_blocks``, equal-size blocks
+    share their products. Returns each slab's direction."""
+    placed = _place(tasks, factors_of)
+    batches = group_blocks(placed, lambda p: _batch_key(p, h))
+    for batch in batches:
+        accumulate_batch_(batch, tasks, h)
     if h.compute_roots:
-        jobs = root_jobs(blocks, orders, h)
+        jobs = root_jobs([p.block for p in placed], [p.order for p in placed], h)
         inverse_roots_(jobs, h.eps, h.eps_before, h.root_method, stats, h.batching)
     base = "graft" if h.grafting is not None else "filtered"
     outs = [task.inputs[base].clone() for task in tasks]
     if not h.use_shampoo:
         return outs
-    for block, order, (n, cols) in zip(blocks, orders, where, strict=True):
-        s = precondition(block, tasks[n].inputs["filtered"][:, cols], h.exponents[order])
-        if h.grafting is not None:
-            s = graft(s, tasks[n].inputs["graft"][:, cols])
-        outs[n][:, cols] = s
-        stats["blocks"] += 1
+    for batch in batches:
+        directions = direction_batch(batch, tasks, h)
+        torch._foreach_copy_([outs[p.task][:, p.cols] for p in batch], list(directions.unbind(0)))
+        stats["blocks"] += len(batch)
     return outs
 
 
@@ -332,6 +419,11 @@ class Shampoo(BlockedOptimizer):
             on CPU, where results are bitwise the per-block path's (tested); True on any
             device (on CUDA not verified bitwise, so world-size invariance may then differ in
             the last bits); False one by one (``raggedfsdp.optim.matrix_roots``).
+        batch_blocks: run the products of equal-size blocks (factor updates, preconditioning,
+            grafting norms) as one ``bmm`` / norm per group: for GPUs, where per-block kernel
+            launches dominate; bitwise the per-block path on CPU (tested) but no faster there
+            (measured), and on CUDA not verified bitwise. Default False: block by block
+            (``raggedfsdp.optim.block_batches``).
         factor_dtype: dtype of factors and roots; ``None`` = fp32, fp64 for fp64 parameters.
         mesh: ranks for the drop-in mode (see ``ShardedOptimizer``).
 
@@ -369,6 +461,7 @@ class Shampoo(BlockedOptimizer):
         merge_dims: bool = False,
         precondition_1d: bool = False,
         batch_roots: bool | None = None,
+        batch_blocks: bool = False,
         factor_dtype: torch.dtype | None = None,
         mesh: MeshLike = None,
     ) -> None:
@@ -390,6 +483,7 @@ class Shampoo(BlockedOptimizer):
         if start_preconditioning_step == -1:
             start_preconditioning_step = precondition_frequency
         self.batch_roots = batch_roots
+        self.batch_blocks = batch_blocks
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -440,7 +534,7 @@ class Shampoo(BlockedOptimizer):
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
         """Steps 1, 2, 4 and 5 per piece; 3, 6 and 7 per block, where the block lies or on
         its owner; 8 per piece."""
-        h = _Hyper.of(group, step, self.batch_roots)
+        h = _Hyper.of(group, step, self.batch_roots, self.batch_blocks)
         stats = self._stats(_STATS)
         work = [self._diagonal(pc, group, h) for pc in pieces]
         blocked = [SlabWork(w.piece, w.inputs, w.direction) for w in work]

@@ -45,6 +45,8 @@ __all__ = [
     "expert_matrix",
     "expert_notes",
     "expert_unit_options",
+    "float8_block_policy",
+    "float8_tiles",
     "is_muon_matrix",
     "is_quantized",
     "matrix_unit",
@@ -427,6 +429,50 @@ def _expert_choice(name: str, unit: int, experts: int, rows: int, row: int) -> s
     if unit % row == 0 and (rows * row) % unit == 0:
         return f"{unit // row} of each {what}'s {rows} rows together on a rank"
     return f"{what}s cut between ranks (unit {unit}): whole ones were not found padding-free"
+
+
+# ----------------------------------------------------------------------------- FP8 blocks
+def float8_tiles(fqn: str, shape: Sequence[int], block: int = 128) -> tuple[int, int] | None:
+    """``(matrix rows, row length)`` of the ``block x block`` tiles a weight is quantized in for
+    a block-wise FP8 all-gather, or None for a tensor kept in the compute dtype.
+
+    A tensor of 2+ dims is viewed as ``rows = prod(all but the last dim)`` rows of its last dim.
+    Tiles restart at every matrix: a fused expert tensor ``(E, m, n)`` has one matrix per expert
+    (``expert_matrix``), unless ``m`` is a multiple of ``block``, when per-expert tiles are
+    exactly the tiles of the whole ``(E * m, n)`` view (one matrix of all rows). Eligible when
+    each matrix has at least ``block`` rows and ``block`` columns, so every tile row holds whole
+    tiles except at a matrix's bottom or right edge (partial edge tiles are allowed).
+    """
+    shape = tuple(shape)
+    if len(shape) < 2:
+        return None
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    matrix = expert_matrix(fqn, shape)
+    per_matrix = matrix[1] if matrix is not None else rows
+    if per_matrix < block or cols < block:
+        return None
+    return (rows if per_matrix % block == 0 else per_matrix), cols
+
+
+def float8_block_policy(block: int = 128) -> ShardPolicy:
+    """Units that keep every ``block x block`` FP8 tile on one rank, so each rank quantizes its
+    own piece with no communication for the scales: ``block`` rows of an eligible weight
+    (``float8_tiles``), or a whole matrix where tiles restart at matrices that are not a
+    multiple of ``block`` rows (unaligned experts); one element for tensors kept in the compute
+    dtype. ``fully_shard`` combines it with the group's policy (LCM, ``combine``)."""
+    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"float8_block_policy: block={block!r} must be a positive int")
+
+    def unit(fqn: str, param: Any) -> int:
+        shape = tuple(param.shape)
+        tiles = float8_tiles(fqn, shape, block)
+        if tiles is None:
+            return 1
+        matrix_rows, cols = tiles
+        rows = math.prod(shape[:-1])
+        return (block if matrix_rows == rows else matrix_rows) * cols
+
+    return unit
 
 
 # ----------------------------------------------------------------------------- 8-bit AdamW

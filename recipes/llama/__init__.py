@@ -1,6 +1,7 @@
 """LLaMA-style pretraining with raggedfsdp: readable top to bottom, runnable on a laptop CPU.
 
-Reading order: ``config`` (what can be set), ``model`` (the decoder), ``data`` and ``corpus``
+Reading order: ``config`` (what can be set; ``model_config`` the model shapes), ``model`` (the
+decoder; ``moe_config`` and ``moe`` its Mixture-of-Experts family), ``data`` and ``corpus``
 (token files and the embedded default dataset), ``parallel`` (process groups, meshes, wrapping
 with raggedfsdp or PyTorch FSDP2), ``optimizers`` (choice, parameter groups, LR schedule),
 ``checkpoint`` (atomic DCP checkpoints; ``checkpoint_files`` checks one before it is loaded),

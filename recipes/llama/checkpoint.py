@@ -71,7 +71,14 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _model_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """What differs between the checkpoint's model config and this run's; a dense model against
+    a MoE one (whose config has the expert keys) is said in those words, not key by key."""
     ours = asdict(cfg.model)
+    family = {True: "a MoE model", False: "a dense model"}
+    if ("n_experts" in saved) != ("n_experts" in ours):
+        return [
+            f"checkpoint {family['n_experts' in saved]}, this run {family['n_experts' in ours]}"
+        ]
     return [
         f"model.{key}: checkpoint {saved.get(key)!r}, this run {value!r}"
         for key, value in ours.items()

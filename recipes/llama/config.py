@@ -1,9 +1,11 @@
 """The recipe's configuration: one dataclass, presets as TOML files, ``--key value`` overrides.
 
 The defaults are the tiny CPU demo, so ``torchrun ... -m recipes.llama.train`` with no arguments
-runs it. ``--config NAME`` loads ``configs/NAME.toml`` (or any ``.toml`` / ``.json`` path) first;
-the other ``--key value`` / ``--key=value`` pairs then override it, in order. Keys are the field
-names below with ``-`` or ``_`` (``--wandb-mode offline``), model fields are ``--model.<name>``.
+runs it. ``--config NAME`` loads ``configs/NAME.toml`` (or any ``.toml`` / ``.json`` path) first,
+or, for a MoE preset name (``moe_config.MOE_PRESETS``: ``moe_tiny``, ``mixtral_8x7b``, ...),
+makes the model that MoE shape; the other ``--key value`` / ``--key=value`` pairs then override
+it, in order. Keys are the field names below with ``-`` or ``_`` (``--wandb-mode offline``),
+model fields are ``--model.<name>`` (the MoE ones, such as ``--model.top-k``, on a MoE model).
 A file holds top-level keys and a ``[model]`` table. Files are read with ``tomllib`` / ``json``
 only: a config can set values, never run code.
 """
@@ -19,50 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from recipes.llama.model_config import ConfigError, ModelConfig, MoEConfig
+from recipes.llama.moe_config import MOE_PRESETS, moe_preset
+
 __all__ = ["USAGE_ERROR", "Config", "ConfigError", "ModelConfig", "parse_args", "usage"]
 
 PRESET_DIR = Path(__file__).parent / "configs"
 USAGE_ERROR = 2  # exit status of a run refused with a one-line message (argparse's status)
-
-
-class ConfigError(ValueError):
-    """A config file or command line that cannot be applied (the message says what to fix)."""
-
-
-@dataclass
-class ModelConfig:
-    """Shape of the LLaMA-style decoder (Llama-3 naming and FFN sizing rule)."""
-
-    dim: Annotated[int, "model width"] = 128
-    n_layers: Annotated[int, "transformer blocks"] = 4
-    n_heads: Annotated[int, "query heads"] = 4
-    n_kv_heads: Annotated[int, "key/value heads (grouped-query attention; = n_heads for MHA)"] = 2
-    vocab_size: Annotated[int, "vocabulary size (>= the tokenizer's; 256 for bytes)"] = 256
-    ffn_dim_multiplier: Annotated[float, "SwiGLU width multiplier on 8/3·dim (Llama-3: 1.3)"] = 1.0
-    multiple_of: Annotated[int, "SwiGLU width is rounded up to a multiple of this"] = 32
-    norm_eps: Annotated[float, "RMSNorm epsilon"] = 1e-5
-    rope_theta: Annotated[float, "RoPE base (Llama-3: 500000)"] = 10000.0
-    tie_embeddings: Annotated[bool, "share the input embedding with the output head"] = False
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_hidden(self) -> int:
-        """Llama-3's rule: 2/3 of 4·dim, times the multiplier, rounded up to ``multiple_of``."""
-        hidden = int(self.ffn_dim_multiplier * int(2 * 4 * self.dim / 3))
-        return self.multiple_of * -(-hidden // self.multiple_of)
-
-    def check(self) -> None:
-        if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim={self.dim} must be a multiple of n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
-            )
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim={self.head_dim} must be even for RoPE")
 
 
 Optimizer = Literal["adamw", "adamw8bit", "muon", "shampoo", "soap"]
@@ -101,8 +66,14 @@ class Config:
     grad_clip: Annotated[float, "max global gradient norm (0: no clipping)"] = 1.0
     # parallelism and memory
     fsdp: Annotated[Literal["raggedfsdp", "fsdp2"], "raggedfsdp | fsdp2 (PyTorch)"] = "raggedfsdp"
+    whole_experts: Annotated[
+        bool, "MoE: every expert matrix whole on one rank even where it pads (default: where free)"
+    ] = False
     dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
     mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
+    all_gather: Annotated[
+        Literal["param", "fp8"], "fp8: 128x128 block-wise FP8 weight all-gather (raggedfsdp)"
+    ] = "param"
     activation_checkpointing: Annotated[bool, "recompute each block's activations"] = False
     compile: Annotated[bool, "torch.compile each block before wrapping it (as torchtitan)"] = False
     device: Annotated[Literal["auto", "cpu", "cuda"], "auto: cuda when available"] = "auto"
@@ -129,6 +100,8 @@ class Config:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed} must be >= 0")
+        if self.all_gather == "fp8" and self.fsdp != "raggedfsdp":
+            raise ConfigError("all_gather=fp8 needs --fsdp raggedfsdp (FSDP2 gathers bf16 only)")
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
 
@@ -137,12 +110,13 @@ class Config:
 
 
 def _keys(cls: type) -> dict[str, Any]:
-    """Field name -> type, with ``model.<name>`` for the model's fields."""
+    """Field name -> type, with ``model.<name>`` for the model's fields (the MoE model's, a
+    superset of the dense one's)."""
     hints = typing.get_type_hints(cls)  # without the Annotated help
     keys: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(hints[f.name]):
-            keys.update({f"{f.name}.{k}": t for k, t in _keys(hints[f.name]).items()})
+        if f.name == "model":
+            keys.update({f"model.{k}": t for k, t in _keys(MoEConfig).items()})
         else:
             keys[f.name] = hints[f.name]
     return keys
@@ -187,6 +161,11 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     if key not in KEYS:
         raise _unknown(key)
     target, name = (cfg.model, key[6:]) if key.startswith("model.") else (cfg, key)
+    if target is cfg.model and name not in {f.name for f in dataclasses.fields(cfg.model)}:
+        raise ConfigError(
+            f"{key} is a MoE setting but the model is dense: start from a MoE preset "
+            f"(--config moe_tiny; MoE presets: {', '.join(MOE_PRESETS)}), then override"
+        )
     setattr(target, name, _coerce(key, KEYS[key], value))
 
 
@@ -208,8 +187,12 @@ def load_file(name: str) -> dict[str, Any]:
     if not path.suffix:
         path = PRESET_DIR / f"{name}.toml"
         if not path.is_file():
-            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.toml")))
-            raise ConfigError(f"no preset {name!r}; presets: {presets} (or give a file path)")
+            names = [*sorted(p.stem for p in PRESET_DIR.glob("*.toml")), *MOE_PRESETS]
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"no preset {name!r}; {hint}presets: {', '.join(names)} (or give a file path)"
+            )
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
@@ -272,6 +255,9 @@ def parse_args(argv: list[str]) -> Config:
     options = _options(argv)
     cfg = Config()
     for name in options.pop("config", []):
+        if name in MOE_PRESETS:  # the whole model becomes that MoE shape
+            cfg.model = moe_preset(name)
+            continue
         for file_key, file_value in load_file(name).items():
             _set(cfg, file_key, file_value)
     for key, value in options.items():
@@ -282,13 +268,19 @@ def parse_args(argv: list[str]) -> Config:
 
 def usage() -> str:
     """Every key with its default and help, for ``--help``."""
-    lines = ["--config NAME|PATH             preset (configs/*.toml) or a .toml/.json file"]
-    for owner, prefix in ((Config(), ""), (ModelConfig(), "model.")):
+    lines = [
+        "--config NAME|PATH             preset (configs/*.toml), a .toml/.json file, or a MoE "
+        f"preset ({', '.join(MOE_PRESETS)})"
+    ]
+    dense = {f.name for f in dataclasses.fields(ModelConfig)}
+    for owner, prefix in ((Config(), ""), (MoEConfig(), "model.")):
         hints = typing.get_type_hints(type(owner), include_extras=True)
         for f in dataclasses.fields(owner):
             if f.name == "model":
                 continue
             name = f"--{prefix}{f.name.replace('_', '-')}"
             help_text = hints[f.name].__metadata__[0]
+            if prefix and f.name not in dense:
+                help_text = f"MoE: {help_text}"
             lines.append(f"{name:<30} {getattr(owner, f.name)!s:<18} {help_text}")
     return "\n".join(lines)

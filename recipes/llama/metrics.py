@@ -17,7 +17,7 @@ import torch
 
 from recipes.llama.config import Config
 
-__all__ = ["RunLogger", "peak_flops", "peak_memory_bytes", "plot_losses"]
+__all__ = ["RunLogger", "peak_flops", "peak_memory_bytes", "plot_losses", "router_metrics"]
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device name; anything else: set --peak-tflops.
 GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
@@ -58,6 +58,28 @@ def peak_flops(cfg: Config, device: torch.device) -> tuple[float, str]:
         a @ a
         count += 1
     return 2 * 256**3 * count / elapsed, f"measured {dtype} matmul on this process"
+
+
+def router_metrics(loads: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A MoE step's load balance, from each MoE block's tokens per expert summed over ranks
+    (``moe.balance_routers``' result; ``{}`` for a dense model, which logs none of these).
+
+    ``moe/max_load``: the worst block's busiest expert over the mean load (1: every expert got
+    the same tokens; E / top_k: all tokens to the same top_k experts); ``moe/mean_max_load``:
+    that ratio averaged over blocks; ``moe/min_load``: the worst block's idlest expert over the
+    mean (0: an expert got no token). ``moe/dropped_tokens`` is always 0: routing has no
+    capacity limit, so every token reaches its top_k experts, however unbalanced.
+    """
+    if not loads:
+        return {}
+    ratios = torch.stack([load / load.mean().clamp_min(1e-12) for load in loads.values()])
+    peaks = ratios.amax(dim=1)
+    return {
+        "moe/max_load": peaks.max().item(),
+        "moe/mean_max_load": peaks.mean().item(),
+        "moe/min_load": ratios.amin().item(),
+        "moe/dropped_tokens": 0,
+    }
 
 
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from recipes.llama.config import ModelConfig
+from recipes.llama.model_config import ModelConfig
 
 __all__ = ["Transformer", "flops_per_token", "init_parameter", "matmul_params"]
 
@@ -201,5 +201,8 @@ def matmul_params(model: nn.Module) -> int:
 def flops_per_token(cfg: ModelConfig, n_matmul_params: int, seq_len: int) -> int:
     """Training FLOPs per token (PaLM appendix B, torchtitan): ``6N + 12·L·H·Q·T``, i.e.
     forward + backward of the matmuls plus attention scores and values at full (non-causal)
-    length."""
-    return 6 * n_matmul_params + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    length. N counts the weights a token goes through: for a MoE model, the routed experts it
+    is not sent to (``cfg.inactive_expert_params``) are left out, so N is top_k routed experts
+    plus the shared ones, the router and the rest."""
+    active = n_matmul_params - cfg.inactive_expert_params
+    return 6 * active + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recipes.llama.model import Attention, FeedForward, RMSNorm, Transformer
-from recipes.llama.moe_config import MoEConfig
+from recipes.llama.model_config import ModelConfig, MoEConfig
 
 __all__ = [
     "Experts",
@@ -41,6 +41,7 @@ __all__ = [
     "MoEFeedForward",
     "MoETransformer",
     "balance_routers",
+    "model_class",
     "router_load",
 ]
 
@@ -203,16 +204,30 @@ def router_load(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def balance_routers(model: nn.Module, rate: float, group: dist.ProcessGroup | None = None) -> None:
+def balance_routers(
+    model: nn.Module, rate: float, group: dist.ProcessGroup | None = None
+) -> dict[str, torch.Tensor]:
     """DeepSeek-V3's bias update, after an optimizer step: each expert's bias moves by ``rate``
     towards the mean load, then the counts restart. With a process group initialised, the
-    counts are summed over ``group`` first, so every rank applies the same update and the
-    biases stay equal across ranks."""
-    for module in model.modules():
-        if not isinstance(module, MoEFeedForward):
-            continue
-        load = module.tokens_per_expert
-        if dist.is_initialized():
-            dist.all_reduce(load, group=group)
+    counts of every MoE block are summed over ``group`` first (one all-reduce for all blocks),
+    so every rank applies the same update and the biases, buffers no optimizer touches, stay
+    equal across ranks. Returns the loads it balanced on (block name -> tokens per expert,
+    summed over ``group``), for the run's metrics."""
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, MoEFeedForward)}
+    if not blocks:
+        return {}
+    counts = [m.tokens_per_expert for m in blocks.values()]
+    loads = torch.cat(counts)
+    if dist.is_initialized():
+        dist.all_reduce(loads, group=group)
+    result = dict(zip(blocks, loads.split([c.numel() for c in counts]), strict=True))
+    for name, module in blocks.items():
+        load = result[name]
         module.expert_bias += rate * torch.sign(load.mean() - load)
-        load.zero_()
+        module.tokens_per_expert.zero_()
+    return result
+
+
+def model_class(cfg: ModelConfig) -> type[Transformer]:
+    """The model family a shape belongs to: ``MoETransformer`` for a ``MoEConfig``."""
+    return MoETransformer if isinstance(cfg, MoEConfig) else Transformer

@@ -1,56 +1,22 @@
-"""Shape of the Mixture-of-Experts decoder and its presets (no torch: checked before any work).
+"""The Mixture-of-Experts presets (no torch: checked before any work).
 
-A MoE model is the LLaMA decoder with the SwiGLU of each block past ``n_dense_layers``
-replaced by ``n_experts`` SwiGLU experts, of which a router picks ``top_k`` per token, plus
-``n_shared_experts`` experts every token goes through. Presets are named shapes; a typo in a
-name is refused with the closest names, before any process-group work.
+``MoEConfig`` (defined in ``model_config.py``, re-exported here) is the LLaMA decoder with
+routed experts. Presets are named shapes: ``--config NAME`` on the recipe's command line, or
+``moe_preset(NAME)``; a typo in a name is refused with the closest names, before any
+process-group work. The real shapes build on the meta device and their parameter counts are
+checked against ``raggedfsdp/data/model_shapes.json`` (tests/recipes/test_moe_presets.py):
+exactly where the architecture is the one modelled here, part by part where it is not (each
+preset's comment says what is not modelled).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
-from typing import Annotated, Literal
 
-from recipes.llama.config import ConfigError, ModelConfig
+from recipes.llama.model_config import ConfigError, MoEConfig
 
 __all__ = ["MOE_PRESETS", "MoEConfig", "moe_preset"]
-
-
-@dataclass
-class MoEConfig(ModelConfig):
-    """The LLaMA shape plus the experts (DeepSeek-V3 / Mixtral naming)."""
-
-    n_experts: Annotated[int, "routed experts per MoE block (E)"] = 6
-    top_k: Annotated[int, "routed experts each token goes through"] = 2
-    moe_hidden: Annotated[int, "hidden width of one expert's SwiGLU (d_ff)"] = 128
-    n_shared_experts: Annotated[int, "experts every token goes through (fused into one)"] = 0
-    n_dense_layers: Annotated[int, "leading blocks with a dense SwiGLU instead of experts"] = 0
-    score_func: Annotated[Literal["softmax", "sigmoid"], "router affinity"] = "softmax"
-    bias_update_rate: Annotated[float, "auxiliary-loss-free balancing step (0: off)"] = 1e-3
-    expert_impl: Annotated[
-        Literal["auto", "grouped_mm", "loop"], "auto: grouped_mm on CUDA, a loop elsewhere"
-    ] = "auto"
-
-    def check(self) -> None:
-        super().check()
-        if self.n_experts < 1:
-            raise ConfigError(f"model.n_experts={self.n_experts} must be >= 1")
-        if not 1 <= self.top_k <= self.n_experts:
-            raise ConfigError(
-                f"model.top_k={self.top_k} must be in [1, n_experts={self.n_experts}]: "
-                f"lower top_k or add experts"
-            )
-        if self.moe_hidden < 1 or self.n_shared_experts < 0:
-            raise ConfigError("model.moe_hidden must be >= 1 and n_shared_experts >= 0")
-        if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ConfigError(
-                f"model.n_dense_layers={self.n_dense_layers} must be in [0, "
-                f"n_layers={self.n_layers}]"
-            )
-        if self.bias_update_rate < 0:
-            raise ConfigError(f"model.bias_update_rate={self.bias_update_rate} must be >= 0")
 
 
 MOE_PRESETS: dict[str, MoEConfig] = {
@@ -78,6 +44,57 @@ MOE_PRESETS: dict[str, MoEConfig] = {
         n_experts=8,
         top_k=2,
         moe_hidden=14336,
+    ),
+    # Qwen3-30B-A3B (public config): every parameter as published except QK-norm (the two
+    # 128-wide RMSNorms per block on queries and keys, 12,288 parameters), not modelled.
+    "qwen3_30b_a3b": MoEConfig(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        attention_head_dim=128,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        n_experts=128,
+        top_k=8,
+        moe_hidden=768,
+    ),
+    # DeepSeek-V3 (public config, without the multi-token-prediction module): embeddings, head,
+    # norms, the 3 dense blocks' SwiGLU, routers, the 256 routed and the shared expert of the 58
+    # MoE blocks as published, and the sigmoid router with its bias (DeepSeek's
+    # e_score_correction_bias is our expert_bias buffer). Not modelled: multi-head latent
+    # attention (this preset has plain 128-head attention in its place), node-limited (group)
+    # routing and the routed-output scale of 2.5.
+    "deepseek_v3": MoEConfig(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        vocab_size=129280,
+        norm_eps=1e-6,
+        n_experts=256,
+        top_k=8,
+        moe_hidden=2048,
+        n_shared_experts=1,
+        n_dense_layers=3,
+        dense_hidden=18432,
+        score_func="sigmoid",
+    ),
+    # GPT-OSS-120B (public config): attention, router and expert weights as published (the
+    # fused gate_up_proj is our w1 and w3). Not modelled: the biases of attention, router and
+    # experts, the attention sinks, sliding-window layers and the clamped SwiGLU.
+    "gpt_oss_120b": MoEConfig(
+        dim=2880,
+        n_layers=36,
+        n_heads=64,
+        n_kv_heads=8,
+        attention_head_dim=64,
+        vocab_size=201088,
+        rope_theta=150000.0,
+        n_experts=128,
+        top_k=4,
+        moe_hidden=2880,
     ),
 }
 

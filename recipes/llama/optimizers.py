@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from raggedfsdp.optim import split_muon_params
-from raggedfsdp.sharding import ShardPolicy
+from raggedfsdp.sharding import DEFAULT_POLICY, ShardPolicy, combine
+from raggedfsdp.sharding.units import expert_matrix
 from recipes.llama.config import Config, ConfigError
 
 __all__ = ["CHOICES", "Schedule", "build_optimizer", "lr_factor", "optimizer_class"]
@@ -101,10 +102,23 @@ def optimizer_class(name: str, fsdp: str) -> type[torch.optim.Optimizer]:
     return cls
 
 
-def shard_policy(cls: type[torch.optim.Optimizer]) -> ShardPolicy | None:
-    """The unit rule the optimizer's math needs, or None for torch's own optimizers."""
+def whole_expert_units(fqn: str, param: Any) -> int:
+    """One whole expert matrix for a fused expert tensor, elements for everything else."""
+    matrix = expert_matrix(fqn, tuple(param.shape))
+    return matrix[1] * matrix[2] if matrix is not None else 1
+
+
+def shard_policy(
+    cls: type[torch.optim.Optimizer], whole_experts: bool = False
+) -> ShardPolicy | None:
+    """The unit rule the optimizer's math needs, or None (``fully_shard``'s default: whole
+    experts where that adds no padding) for torch's own optimizers. ``whole_experts`` keeps
+    every expert matrix whole on a rank even where that pads, on top of the optimizer's rule."""
     policy = getattr(cls, "shard_policy", None)
-    return policy() if policy is not None else None
+    chosen = policy() if policy is not None else None
+    if not whole_experts:
+        return chosen
+    return combine(chosen if chosen is not None else DEFAULT_POLICY, whole_expert_units)
 
 
 def param_groups(model: nn.Module, cfg: Config, split_matrices: bool) -> list[dict[str, Any]]:

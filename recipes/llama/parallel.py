@@ -23,12 +23,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import raggedfsdp
 from raggedfsdp.comm.launch import pin_gloo_to_loopback
+from raggedfsdp.fsdp import Float8Blocks
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
 from recipes.llama.model import Transformer
+from recipes.llama.model_config import MoEConfig
+from recipes.llama.moe import model_class
 
-__all__ = ["Env", "build_model", "clip_gradients", "distributed", "failing_together"]
+__all__ = [
+    "Env",
+    "build_model",
+    "check_expert_split",
+    "clip_gradients",
+    "distributed",
+    "failing_together",
+]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -75,6 +85,23 @@ def _mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
+def check_expert_split(cfg: Config, world_size: int) -> None:
+    """Refuse ``--whole-experts`` where the sharding cannot keep experts whole: FSDP2 splits
+    dim 0 of every parameter evenly over the shard group, which cuts through expert matrices
+    unless the group's size divides the number of experts. raggedfsdp always can (at the cost of
+    padding). Needs only the world size, so it runs before the process group is touched."""
+    if not cfg.whole_experts or cfg.fsdp != "fsdp2" or not isinstance(cfg.model, MoEConfig):
+        return
+    shard = world_size // cfg.dp_replicate if world_size % cfg.dp_replicate == 0 else world_size
+    experts = cfg.model.n_experts
+    if experts % shard:
+        raise ConfigError(
+            f"--whole-experts with --fsdp fsdp2: FSDP2 splits the {experts} experts evenly over "
+            f"{shard} ranks, cutting through expert matrices; use --fsdp raggedfsdp, a shard group "
+            f"size dividing {experts}, or drop --whole-experts"
+        )
+
+
 @contextmanager
 def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> Iterator[Env]:
     """Join (or create) the default process group for the run, and leave what we created.
@@ -86,6 +113,9 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(cfg.device, local_rank)
     created = not dist.is_initialized()
+    check_expert_split(
+        cfg, int(os.environ.get("WORLD_SIZE", 1)) if created else dist.get_world_size()
+    )
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ:  # torchrun
@@ -144,7 +174,9 @@ def _wrapper(
     """
     bf16 = cfg.mixed_precision == "bf16"
     if cfg.fsdp == "raggedfsdp":
-        mp = raggedfsdp.MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None
+        fp8 = Float8Blocks() if cfg.all_gather == "fp8" else None
+        dtypes = (torch.bfloat16, torch.float32) if bf16 else (None, None)
+        mp = raggedfsdp.MixedPrecisionPolicy(*dtypes, all_gather=fp8)
         return partial(raggedfsdp.fully_shard, mesh=mesh, mp_policy=mp, shard_policy=policy)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -167,7 +199,7 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     name-based policy such as Muon's cannot tell them from hidden matrices; its default "auto"
     mode still leaves them in element units, since a whole-matrix unit would add padding."""
     with torch.device("meta"):
-        model = Transformer(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
+        model = model_class(cfg.model)(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
     wrap = _wrapper(cfg, env.mesh, policy)
     for index, block in enumerate(model.layers):
         model.materialize_block(index, env.device, cfg.seed)

@@ -6,8 +6,13 @@
 Every rank builds the same model from the same seed, wraps each block with ``fully_shard``
 (then the root), and trains on its slice of each global batch; rank 0 logs. The loop below is
 the whole recipe: schedule, gradient accumulation without communication on all micro-batches
-but the last, clipping, the optimizer step, one all-reduce that both averages the loss for the
-log and agrees on whether a signal asked to stop, periodic validation and checkpoints.
+but the last, clipping, the optimizer step (then, for a MoE model, the routers' bias update),
+one all-reduce that both averages the loss for the log and agrees on whether a signal asked to
+stop, periodic validation and checkpoints.
+
+Read it as nanoGPT: ``set_up`` builds everything once (data, model, optimizer, schedule, resumed
+checkpoint, logger), ``train`` is the loop (``train_step``, ``agree``, ``step_metrics``,
+``evaluate``, checkpoints), and ``finish`` writes the summary.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from raggedfsdp.fsdp import all_gather_bytes
 from recipes.llama.checkpoint import Checkpointer, CheckpointError, GracefulStop, TrainState
 from recipes.llama.config import USAGE_ERROR, Config, ConfigError, parse_args, usage
 from recipes.llama.data import (
@@ -37,8 +43,10 @@ from recipes.llama.data import (
     TokenData,
     prepare_default,
 )
-from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes
+from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes, router_metrics
 from recipes.llama.model import flops_per_token, matmul_params
+from recipes.llama.model_config import MoEConfig
+from recipes.llama.moe import balance_routers
 from recipes.llama.optimizers import Schedule, build_optimizer, optimizer_class, shard_policy
 from recipes.llama.parallel import (
     Env,
@@ -108,7 +116,9 @@ def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> to
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Batches, cfg: Config, env: Env, accum: int) -> float:
-    """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time)."""
+    """Mean loss over ``eval_batches`` fixed validation batches (the same ones every time), in
+    eval mode so that MoE routers do not count validation tokens towards balancing."""
+    model.eval()
     total = torch.zeros((), device=env.device)
     for index in range(cfg.eval_batches):
         for micro in range(accum):
@@ -118,6 +128,7 @@ def evaluate(model: nn.Module, batches: Batches, cfg: Config, env: Env, accum: i
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
+    model.train()
     dist.all_reduce(total)
     return total.item() / (cfg.eval_batches * accum * env.world_size)
 
@@ -130,10 +141,16 @@ def train_step(
     cfg: Config,
     env: Env,
     accum: int,
-) -> tuple[torch.Tensor, float]:
+) -> tuple[torch.Tensor, float, dict[str, torch.Tensor]]:
     """One optimizer step over this rank's micro-batches; returns (this rank's mean loss, the
-    global gradient norm before clipping). Gradients are reduced once, on the last micro-batch:
-    the others accumulate locally with no communication."""
+    global gradient norm before clipping, the MoE blocks' global tokens per expert). Gradients
+    are reduced once, on the last micro-batch: the others accumulate locally with no
+    communication.
+
+    A MoE model's routers are balanced after the optimizer step (DeepSeek-V3's auxiliary-loss-
+    free bias, ``moe.balance_routers``): the bias is a buffer, not a parameter, so no optimizer
+    or gradient reduction touches it; it stays identical on every rank because the update is
+    computed from the token counts summed over all ranks (one all-reduce per step)."""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
         x, y = batches.local(step, env.rank, env.world_size, micro, accum)
@@ -144,21 +161,39 @@ def train_step(
     grad_norm = clip_gradients(model, cfg)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+    rate = cfg.model.bias_update_rate if isinstance(cfg.model, MoEConfig) else 0.0
+    loads = balance_routers(model, rate)  # {} for a dense model: no communication
+    return loss_sum, grad_norm, loads
 
 
-def train(
-    cfg: Config, env: Env, on_step: Callable[[int, dict[str, Any]], None] | None = None
-) -> RunResult:
-    """Train to ``cfg.steps`` (from the latest checkpoint, if any); ``on_step(step, metrics)``
-    runs after every step on every rank (custom logging, tests)."""
-    start_time = time.perf_counter()
+@dataclass
+class Run:
+    """Everything the loop needs, built once by ``set_up`` (the nanoGPT preamble as a value)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    checkpointer: Checkpointer
+    logger: RunLogger
+    train_batches: Batches
+    val_batches: Batches
+    accum: int  # micro-batches per step
+    state: TrainState  # where this launch starts (0, or the resumed checkpoint's step)
+    resumed_from: str | None
+    tokens_per_step: int
+    flops_per_token: float
+    peak_flops: float | None  # per device; None when unknown (no MFU then)
+
+
+def set_up(cfg: Config, env: Env) -> Run:
+    """Data, model, optimizer, schedule, the resumed checkpoint (if any) and the logger, in
+    that order. Configuration errors are raised before the model is built."""
     accum = grad_accumulation(cfg, env.world_size)
     data = open_data(cfg, env)
     optimizer_cls = optimizer_class(cfg.optimizer, cfg.fsdp)  # fail before building anything
 
     # The same weights on every rank (seeded by name), sharded block by block as they are made.
-    model = build_model(cfg, env, shard_policy(optimizer_cls))
+    model = build_model(cfg, env, shard_policy(optimizer_cls, cfg.whole_experts))
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = matmul_params(model)
     optimizer = build_optimizer(model, cfg)
@@ -169,11 +204,9 @@ def train(
         Path(cfg.run_dir) / "checkpoints", env, cfg.keep_checkpoints, data_position
     )
     state, resumed_from, warnings = checkpointer.resume(model, optimizer, cfg)
-    result = RunResult(resumed_from=resumed_from)
 
     flops_token = flops_per_token(cfg.model, n_matmul, cfg.seq_len)
     peak, peak_source = peak_flops(cfg, env.device)
-    tokens_per_step = cfg.batch_size * cfg.seq_len
     info = {
         "world_size": env.world_size,
         "mesh": dict(zip(env.mesh.mesh_dim_names, env.mesh.shape, strict=True)),
@@ -190,85 +223,156 @@ def train(
     logger = RunLogger(cfg, env.is_main, state.step, info)
     for line in warnings:
         logger.write(f"warning: {line}")
+    logger.write(_header(cfg, info, resumed_from))
+    return Run(
+        model=model,
+        optimizer=optimizer,
+        schedule=schedule,
+        checkpointer=checkpointer,
+        logger=logger,
+        train_batches=Batches(data.train, cfg.seq_len, cfg.batch_size, cfg.seed, TRAIN),
+        val_batches=Batches(data.val, cfg.seq_len, cfg.batch_size, cfg.seed, VAL),
+        accum=accum,
+        state=state,
+        resumed_from=resumed_from,
+        tokens_per_step=cfg.batch_size * cfg.seq_len,
+        flops_per_token=flops_token,
+        peak_flops=peak,
+    )
+
+
+def _header(cfg: Config, info: dict[str, Any], resumed_from: str | None) -> str:
+    """The one line that says what this launch trains, before the progress bar starts."""
     header = [
-        f"{n_params / 1e6:.2f}M parameters",
-        f"{env.world_size} processes {info['mesh']}",
-        f"{accum} micro-batch(es) of {cfg.micro_batch_size}",
-        f"{tokens_per_step} tokens/step",
+        f"{info['n_params'] / 1e6:.2f}M parameters",
+        f"{info['world_size']} processes {info['mesh']}",
+        f"{info['grad_accumulation']} micro-batch(es) of {cfg.micro_batch_size}",
+        f"{cfg.batch_size * cfg.seq_len} tokens/step",
         str(info["optimizer_class"]),
     ]
     if "optimizer_state_mib_rank0" in info:
         header.append(f"optimizer state {info['optimizer_state_mib_rank0']:.2f} MiB on rank 0")
     if resumed_from:
         header.append(f"resumed from {resumed_from}")
-    logger.write(", ".join(header))
+    return ", ".join(header)
+
+
+def agree(local_loss: torch.Tensor, stop_requested: str | None, env: Env) -> tuple[float, bool]:
+    """One all-reduce for two answers: the loss averaged over all ranks (for the log), and
+    whether any rank was signalled to stop (so that all ranks save and stop together)."""
+    flag = torch.tensor(float(stop_requested is not None), device=env.device)
+    agreed = torch.stack([local_loss, flag])
+    dist.all_reduce(agreed)
+    return agreed[0].item() / env.world_size, agreed[1].item() > 0
+
+
+def step_metrics(
+    run: Run,
+    cfg: Config,
+    env: Env,
+    state: TrainState,
+    elapsed: float,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    gathered: int,
+    loads: dict[str, torch.Tensor],
+) -> dict[str, Any]:
+    """The logged record of one step (``val_loss`` is added on evaluation steps). ``gathered``
+    is the bytes this rank all-gathered in the step (raggedfsdp counts them; FSDP2 does not),
+    ``loads`` the MoE blocks' tokens per expert ({} for a dense model)."""
+    tokens_per_s = run.tokens_per_step / elapsed
+    metrics: dict[str, Any] = {
+        "step": state.step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "tokens_per_s": tokens_per_s,
+        "tokens_seen": state.tokens_seen,
+        "step_time_s": elapsed,
+        "peak_memory_mib": peak_memory_bytes(env.device) / 2**20,
+    }
+    if cfg.fsdp == "raggedfsdp":
+        metrics["all_gather_mib"] = gathered / 2**20
+    if run.peak_flops:
+        metrics["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * env.world_size)
+    metrics.update(router_metrics(loads))  # MoE: load balance, dropped tokens
+    stats = getattr(run.optimizer, "last_step_stats", None) or {}  # Muon, Shampoo
+    metrics.update({f"optim/{k}": v for k, v in stats.items() if isinstance(v, int | float)})
+    return metrics
+
+
+def _due(every: int, step: int, last: bool) -> bool:
+    """Whether a periodic action (``--eval-every``, ``--checkpoint-every``; 0 turns it off)
+    runs after ``step``: on its multiples, and after the last step so the run ends measured
+    and saved."""
+    return bool(every) and (step % every == 0 or last)
+
+
+def train(
+    cfg: Config, env: Env, on_step: Callable[[int, dict[str, Any]], None] | None = None
+) -> RunResult:
+    """Train to ``cfg.steps`` (from the latest checkpoint, if any); ``on_step(step, metrics)``
+    runs after every step on every rank (custom logging, tests)."""
+    start_time = time.perf_counter()
+    run = set_up(cfg, env)
+    result = RunResult(resumed_from=run.resumed_from)
+    state = run.state
     if state.step >= cfg.steps:
-        logger.write(
+        run.logger.write(
             f"{cfg.run_dir} already reached {state.step} steps (--steps {cfg.steps}): nothing to "
             "train. Raise --steps to continue, or --resume never (or another --run-dir) to start "
             "over."
         )
-        logger.close(None)
+        run.logger.close(None)
         return result
-    train_batches = Batches(data.train, cfg.seq_len, cfg.batch_size, cfg.seed, TRAIN)
-    val_batches = Batches(data.val, cfg.seq_len, cfg.batch_size, cfg.seed, VAL)
 
     with GracefulStop() as stop:
         for step in range(state.step, cfg.steps):
             step_start = time.perf_counter()
-            lr = schedule.apply(step)
-            local_loss, grad_norm = train_step(
-                model, optimizer, train_batches, step, cfg, env, accum
+            lr = run.schedule.apply(step)
+            gathered = all_gather_bytes(run.model)
+            local_loss, grad_norm, loads = train_step(
+                run.model, run.optimizer, run.train_batches, step, cfg, env, run.accum
             )
-
-            # One all-reduce: the loss over all ranks, and whether any rank was signalled.
-            flag = torch.tensor(float(stop.requested is not None), device=env.device)
-            agreed = torch.stack([local_loss, flag])
-            dist.all_reduce(agreed)
-            loss_value, stop_now = agreed[0].item() / env.world_size, agreed[1].item() > 0
+            gathered = all_gather_bytes(run.model) - gathered  # 0 for FSDP2 (no counter)
+            loss, stop_now = agree(local_loss, stop.requested, env)
             elapsed = time.perf_counter() - step_start
-            state = TrainState(step + 1, state.tokens_seen + tokens_per_step)
-
-            tokens_per_s = tokens_per_step / elapsed
-            metrics: dict[str, Any] = {
-                "step": state.step,
-                "loss": loss_value,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": tokens_per_s,
-                "tokens_seen": state.tokens_seen,
-                "step_time_s": elapsed,
-                "peak_memory_mib": peak_memory_bytes(env.device) / 2**20,
-            }
-            if peak:
-                metrics["mfu"] = flops_token * tokens_per_s / (peak * env.world_size)
-            stats = getattr(optimizer, "last_step_stats", None) or {}  # Muon, Shampoo
-            metrics.update(
-                {f"optim/{k}": v for k, v in stats.items() if isinstance(v, int | float)}
+            state = TrainState(step + 1, state.tokens_seen + run.tokens_per_step)
+            metrics = step_metrics(
+                run, cfg, env, state, elapsed, loss, grad_norm, lr, gathered, loads
             )
-            last = state.step == cfg.steps
-            if cfg.eval_every and (state.step % cfg.eval_every == 0 or last):
-                metrics["val_loss"] = evaluate(model, val_batches, cfg, env, accum)
-                result.val_losses[state.step] = metrics["val_loss"]
-            logger.log(metrics)
-            result.losses[state.step] = loss_value
-            result.tokens_per_s.append(tokens_per_s)
 
-            periodic = cfg.checkpoint_every and (state.step % cfg.checkpoint_every == 0 or last)
-            if periodic or stop_now:
-                result.checkpoint = str(checkpointer.save(model, optimizer, state, cfg))
+            last = state.step == cfg.steps
+            if _due(cfg.eval_every, state.step, last):
+                metrics["val_loss"] = evaluate(run.model, run.val_batches, cfg, env, run.accum)
+                result.val_losses[state.step] = metrics["val_loss"]
+            run.logger.log(metrics)
+            result.losses[state.step] = loss
+            result.tokens_per_s.append(metrics["tokens_per_s"])
+            if _due(cfg.checkpoint_every, state.step, last) or stop_now:
+                saved = run.checkpointer.save(run.model, run.optimizer, state, cfg)
+                result.checkpoint = str(saved)
             if on_step is not None:
                 on_step(state.step, metrics)
             if stop_now:
                 result.stopped_by = stop.requested or "a signal on another rank"
-                logger.write(
+                run.logger.write(
                     f"stopped by {result.stopped_by} after step {state.step}; checkpoint "
                     f"{result.checkpoint}. Run the same command again to resume."
                 )
                 break
 
+    finish(run, cfg, env, state, result, start_time)
+    return result
+
+
+def finish(
+    run: Run, cfg: Config, env: Env, state: TrainState, result: RunResult, start_time: float
+) -> None:
+    """After the loop: export the full weights if asked, write the summary and the loss plot."""
     if cfg.export_weights:
-        weights = full_weights(model)  # a collective: every rank takes part
+        weights = full_weights(run.model)  # a collective: every rank takes part
         if env.is_main:
             torch.save(weights, Path(cfg.run_dir) / "model.pt")
     result.wall_time_s = time.perf_counter() - start_time
@@ -285,10 +389,9 @@ def train(
         "fsdp": cfg.fsdp,
         "optimizer": cfg.optimizer,
     }
-    plot = logger.close(summary)
+    plot = run.logger.close(summary)
     if plot is not None:
-        print(f"loss curve: {plot}, metrics: {logger.records_path}, summary: {summary}")
-    return result
+        print(f"loss curve: {plot}, metrics: {run.logger.records_path}, summary: {summary}")
 
 
 def _report(err: Exception, joined: bool) -> None:

@@ -108,7 +108,7 @@ def compare(pool: WorkerPool, tmp: Path) -> dict[str, float]:
     ranks = pool.run(_measure, DIMS, SEQ, STEPS, timeout=120)
     peak = max(r["peak_bytes"] for r in ranks)
     steady = max(r["steady_bytes"] for r in ranks)
-    persistent = est["params"] + est["param_cast"] + est["optimizer"]
+    persistent = est["params"] + est["optimizer"]
     return {
         "estimate_total_bytes": est["total"],
         "measured_peak_bytes": peak,
@@ -141,7 +141,7 @@ if __name__ == "__main__":
     mib = 1024**2
     print(f"{'':34s}{'estimate':>12s}{'measured':>12s}{'ratio':>8s}")
     print(
-        f"{'persistent (params, bf16, AdamW)':34s}{result['estimate_persistent_bytes'] / mib:10.2f}"
+        f"{'persistent (params, AdamW)':34s}{result['estimate_persistent_bytes'] / mib:10.2f}"
         f"Mi{result['measured_steady_bytes'] / mib:10.2f}Mi{result['persistent_ratio']:8.3f}"
     )
     print(

@@ -60,8 +60,9 @@ def _run(
 @pytest.mark.parametrize(
     ("collective", "at", "optimizer", "expected"),
     [
-        # kills fall in step 2, after the checkpoint of step 1 (4 groups: 4 gathers forward, 3
-        # re-gathers backward and 4 reductions per step; Muon: 2 all-to-alls per step)
+        # kills fall in step 2, after the checkpoint of step 1 (4 groups: 4 gathers forward, 2
+        # re-gathers backward (the root is kept) and 4 reductions per step; Muon: 2
+        # all-to-alls per step)
         ("all_gather_flat", 12, "adamw", "raggedfsdp: all-gather of fully_shard group"),
         ("reduce_scatter_flat", 6, "adamw", "raggedfsdp: reduce-scatter of fully_shard group"),
         ("all_to_all_uneven", 3, "muon", "raggedfsdp: all-to-all of matrix pieces to their owners"),

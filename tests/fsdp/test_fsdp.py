@@ -363,8 +363,7 @@ def _root_freed_after_the_head(variant: str) -> dict:
     """Whether the root's gathered norm + head are still held when the last block's backward
     starts (their gradients are in), whether its embedding, a group of its own, was freed
     right after forward, and how often each is gathered in a step after the first (with
-    ``set_reshard_after_backward(False)`` both stay from the first step's backward on; the
-    default frees the norm and head after forward all the same)."""
+    ``set_reshard_after_backward(False)`` both stay from the first step's backward on)."""
     model = shard_blocks(make_model())
     state = model._raggedfsdp_state
     root, lookups = state.group, state.forward_only
@@ -384,9 +383,9 @@ def _root_freed_after_the_head(variant: str) -> dict:
         loss = loss_fn(model, *batch(1, 2))
         seen["embedding freed after forward"] = not lookups.compute.is_full_allocated
         loss.backward()
-    # the root's norm and head again when backward reaches them (freed after forward, unlike
-    # FSDP2's root), not again after (the first block does not prefetch them back); the
-    # embedding never in backward
+    # the root's norm and head once, in forward (kept for their backward, as FSDP2's root),
+    # not again after (the first block does not prefetch them back); the embedding never in
+    # backward
     seen["gathers"] = (calls["root (TinyTransformer)"], calls["root (TinyTransformer): embeddings"])
     return seen
 
@@ -395,9 +394,9 @@ def _root_freed_after_the_head(variant: str) -> dict:
 def test_root_embedding_is_freed_after_forward_and_the_head_after_its_backward(pool):
     """FSDP2 holds both to the end of backward; the parity tests above show the same training."""
     for variant, held, freed, gathers in (
-        ("default", False, True, (2, 1)),
-        ("frozen head", True, True, (2, 1)),
-        ("kept after backward", True, False, (1, 0)),
+        ("default", False, True, (1, 1)),
+        ("frozen head", True, True, (1, 1)),
+        ("kept after backward", True, False, (0, 0)),
     ):
         expected = {
             "embedding alone": True,
@@ -489,13 +488,13 @@ def test_frozen_parameters_read_after_the_trainable_gradients_stay_gathered_unti
         assert res["held_at_the_block_below"] == {"layers.1": False, "layers.2": False}, res
 
 
-def _gathered_at_each_backward_all_gather(root_kept: bool) -> list[int]:
+def _gathered_at_each_backward_all_gather(root_reshard: bool | None) -> list[int]:
     """How many groups hold gathered parameters each time backward starts an all-gather
-    (``root_kept``: ``reshard_after_forward=False`` on the root, FSDP2's schedule)."""
+    (``root_reshard``: the root's ``reshard_after_forward``)."""
     model = make_model()
     for layer in model.layers:
         fully_shard(layer)
-    fully_shard(model, reshard_after_forward=False if root_kept else None)
+    fully_shard(model, reshard_after_forward=root_reshard)
     groups = [
         g for m in model.modules() if isinstance(m, FSDPModule) for g in m._fsdp_state().groups
     ]
@@ -518,14 +517,18 @@ def test_backward_holds_two_groups_at_most_when_it_prefetches(pool):
     computed, before that gradient reaches the block below, whose backward prefetches the next
     (the root's norm and head are freed after the head's backward, the embedding after
     forward). Before that signal was an autograd Function, the count reached 3."""
-    for held in pool.run(_gathered_at_each_backward_all_gather, False):
-        # the root alone (gathered again, no prefetch beside the head's backward), the last
-        # block alone once the root is freed, then each block with the one it prefetches
-        assert held == [1, 1, 2, 2], held
     for held in pool.run(_gathered_at_each_backward_all_gather, True):
-        # FSDP2's schedule: the root's groups (norm and head; embedding, kept to the end as
-        # FSDP2 keeps it) held from forward, the last block prefetched beside the head's
-        # backward, then each block with the one it prefetches
+        # the root freed after forward: the root alone (gathered again, no prefetch beside the
+        # head's backward), the last block alone once the root is freed, then each block with
+        # the one it prefetches
+        assert held == [1, 1, 2, 2], held
+    for held in pool.run(_gathered_at_each_backward_all_gather, None):
+        # the default, FSDP2's root schedule: its norm and head held from forward (the
+        # embedding freed after it), the last block prefetched beside the head's backward,
+        # then each block with the one it prefetches
+        assert held == [2, 2, 2], held
+    for held in pool.run(_gathered_at_each_backward_all_gather, False):
+        # all of the root kept (the embedding too, to the end, as FSDP2 keeps it)
         assert held == [3, 3, 3], held
 
 

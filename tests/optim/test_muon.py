@@ -190,6 +190,24 @@ def test_batched_newton_schulz_of_small_matrices_differs_by_its_measured_bound()
     assert differing / total <= 0.004 and worst <= 3 * 2.0**-8
 
 
+def test_stacked_experts_run_in_place_without_a_stacking_copy():
+    """The experts of one stacked parameter lie back to back in its NS input, so a batch is a
+    view of it (no ``torch.stack`` copy, one copy back): the per-matrix chain's bits."""
+    init = init_tensors({"experts": (8, 32, 48)})
+    out = {}
+    for batched in (True, False):
+        p = torch.nn.Parameter(init["experts"].clone())
+        opt = Muon([p], **HYPER, batched_ns=batched)
+        with mock.patch.object(torch, "stack", wraps=torch.stack) as stack:
+            for step in range(2):
+                p.grad = exact_grads({"experts": (8, 32, 48)}, step, 1)["experts"][0]
+                opt.step()
+        assert opt.last_step_stats["ns_calls"] == (1 if batched else 8)
+        assert stack.call_count == 0
+        out[batched] = p.detach()
+    assert torch.equal(out[True], out[False])
+
+
 # Repeated shapes: 6 experts per layer, the same projection in two layers, small experts (one
 # chain each: a side <= BATCH_MIN_SIDE), an AdamW head and norm.
 MOE_SHAPES = {"l0.experts": (6, 40, 24), "l1.experts": (6, 40, 24), "l0.wq": (24, 24)}

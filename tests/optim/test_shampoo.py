@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -198,6 +199,56 @@ def test_batched_eigendecompositions_equal_per_block_ones_bitwise(dtype):
     expected = sum(1 for n in sizes if batchable(n, dtype) and sizes.count(n) > 1)
     assert roots[True][1]["eigh_batched"] == expected > 0
     assert roots[False][1]["eigh_batched"] == 0
+
+
+# Blocks of 32: equal 32x32 blocks within and across matrices, 32x16 blocks (a batch of their
+# own), 8-row edge blocks (not 64-byte sides: one by one) and vectors (one by one).
+BATCH_SHAPES = {"a": (64, 96), "b": (64, 96), "c": (40, 32), "d": (64, 48), "v": (40,)}
+
+
+def _batched_run(config: dict, dtype: torch.dtype, batch: bool, threads: int) -> dict:
+    params = {n: torch.nn.Parameter(t.to(dtype)) for n, t in init_tensors(BATCH_SHAPES).items()}
+    opt = Shampoo(list(params.items()), **{**BASE, **config, "max_preconditioner_dim": 32},
+                  batch_blocks=batch)  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(5):
+            for n, g in exact_grads(BATCH_SHAPES, step, 1).items():
+                params[n].grad = g[0].to(dtype)
+            opt.step()
+    finally:
+        torch.set_num_threads(before)
+    out = {n: p.detach().clone() for n, p in params.items()}
+    for n, p in params.items():
+        out |= {f"{n}.{k}": v.clone() for k, v in opt.state[p].items()}
+    return out | {"stats": opt.last_step_stats}
+
+
+@pytest.mark.parametrize(
+    ("config", "dtype", "threads"),
+    [
+        ("defaults", torch.float32, 1),
+        ("ema-freq2-start3", torch.float32, 2),
+        ("exponent-override", torch.float64, 1),
+        ("no-grafting-eps-before", torch.float32, 2),
+    ],
+)
+def test_batched_block_products_equal_per_block_ones_bitwise(config, dtype, threads):
+    """``batch_blocks=True`` (one ``bmm`` per product and group of equal-size blocks, one
+    norm per group): parameters, every state tensor and the step's counts bitwise those of the
+    per-block path, on one and two threads (``raggedfsdp.optim.block_batches``)."""
+    per_block = _batched_run(CONFIGS[config], dtype, False, threads)
+    with mock.patch.object(torch, "bmm", wraps=torch.bmm) as bmm:
+        batched = _batched_run(CONFIGS[config], dtype, True, threads)
+    shapes = {tuple(call.args[0].shape) for call in bmm.call_args_list}
+    assert {(15, 32, 32), (2, 32, 16)} <= shapes, shapes  # 32x32 blocks of a, b, c, d; 32x16
+    assert batched.keys() == per_block.keys()
+    for key, value in per_block.items():
+        if key == "stats":
+            assert batched[key] == value
+        else:
+            assert torch.equal(batched[key], value), key
 
 
 def test_newton_roots_are_within_1e_5_of_eigh_roots_in_fp32():

@@ -1,0 +1,165 @@
+"""Measuring helpers shared by the benchmarks that run raggedfsdp beside PyTorch FSDP2.
+
+* Memory on a CPU machine (REFERENCE §6): ranks started with ``MALLOC_ENV`` return freed
+  memory to the OS, so the resident set follows live tensor bytes; ``peak_above_now`` resets
+  ``VmHWM`` and reads it after a call, ``peak_allocated`` reads the profiler's allocator events
+  (the view a GPU's caching allocator has).
+* Communication: ``CollectiveBytes`` counts the all-gathers and reduce-scatters of one or more
+  steps exactly, at the calls both runtimes make (our flat-buffer collectives; the
+  ``torch.distributed`` calls FSDP2 makes), whatever the backend turns them into underneath.
+* ``spawn_ranks``: one process per rank on 127.0.0.1 (gloo), rank 0's result back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from raggedfsdp.comm.launch import free_port
+from raggedfsdp.fsdp import param_group as param_group_module
+
+__all__ = [
+    "MALLOC_ENV",
+    "CollectiveBytes",
+    "init_gloo",
+    "peak_above_now",
+    "peak_allocated",
+    "reset_peak",
+    "spawn_ranks",
+    "status_kib",
+]
+
+MALLOC_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_TRIM_THRESHOLD_": "65536",
+}
+
+
+def status_kib(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak() -> None:
+    """Reset ``VmHWM`` to the current resident size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_above_now(fn: Callable[[], Any]) -> float:
+    """Run ``fn`` and return its peak resident memory above the level before it, in MiB."""
+    reset_peak()
+    before = status_kib("VmRSS")
+    fn()
+    return (status_kib("VmHWM") - before) / 1024
+
+
+def peak_allocated(fn: Callable[[], Any]) -> float:
+    """Run ``fn`` under the profiler; the peak of live tensor bytes above the start, in MiB."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CollectiveBytes:
+    """Calls and bytes of all-gathers and reduce-scatters while ``counting()`` is active.
+
+    Bytes are the gathered (full) buffer of an all-gather and the unreduced (full) input of a
+    reduce-scatter, the usual measure of a collective's size (each rank receives ``(W-1)/W``
+    of it). Ours are counted at ``all_gather_flat`` / ``reduce_scatter_flat``, which gloo runs
+    as in-place all-reduces and NCCL as true all-gathers and reduce-scatters: one count either
+    way; calls they make underneath are not counted again. FSDP2's are counted at
+    ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (and the ``*_tensor`` names).
+    """
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()
+        self._depth = 0
+
+    def _record(self, kind: str, tensor: torch.Tensor) -> None:
+        if self._depth == 0:
+            self.calls[kind] += 1
+            self.bytes[kind] += _nbytes(tensor)
+
+    def _wrap(
+        self, fn: Callable[..., Any], kind: str, full_arg: tuple[int, str]
+    ) -> Callable[..., Any]:
+        position, keyword = full_arg
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self._record(kind, args[position] if len(args) > position else kwargs[keyword])
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        return counted
+
+    @contextmanager
+    def counting(self) -> Iterator[CollectiveBytes]:
+        patches = [
+            (param_group_module, "all_gather_flat", "all_gather", (0, "full")),
+            (param_group_module, "reduce_scatter_flat", "reduce_scatter", (1, "full_in")),
+            (dist, "all_gather_single", "all_gather", (0, "output_tensor")),
+            (dist, "all_gather_into_tensor", "all_gather", (0, "output_tensor")),
+            (dist, "reduce_scatter_single", "reduce_scatter", (1, "input")),
+            (dist, "reduce_scatter_tensor", "reduce_scatter", (1, "input")),
+        ]
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
+        for owner, name, kind, full_arg in patches:
+            setattr(owner, name, self._wrap(getattr(owner, name), kind, full_arg))
+        try:
+            yield self
+        finally:
+            for owner, name, fn in originals:
+                setattr(owner, name, fn)
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """Join the benchmark's gloo group, one intra-op thread share per rank."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+
+
+def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: int) -> Any:
+    """Run ``worker(rank, world, port, args, queue)`` in ``world`` processes started with
+    ``MALLOC_ENV`` (glibc reads it at start-up) and return what rank 0 puts on the queue."""
+    os.environ.update(MALLOC_ENV)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    mp.start_processes(
+        worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn"
+    )
+    return out.get()

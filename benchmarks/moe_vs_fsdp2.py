@@ -1,0 +1,469 @@
+"""raggedfsdp.fully_shard vs PyTorch FSDP2 on a Mixture-of-Experts model (CPU, gloo).
+
+The model is the recipe's ``MoETransformer`` (``recipes/llama/moe.py``: fused ``(E, d_ff, d)``
+experts, top-k softmax router; by default a shared expert and one dense first block, as the
+recipe's ``moe_tiny``; ``--shared-experts 0 --dense-layers 0`` with a wide ``--moe-hidden``
+gives real MoE models' proportions, experts ~95 % of the parameters), built with the same
+seed for both systems and wrapped the same way: each block, then the root. The expert count
+``E`` is chosen so that ``W`` does not divide it (W=4 with E=6, W=3 with E=8): FSDP2's even
+dim-0 split then gives every rank room for ``ceil(E/W)`` experts of every fused tensor
+(padding), while our planner pads nothing and keeps whole experts on ranks wherever that adds
+no padding.
+
+Every rank builds both and alternates them (A B A B, the order rotating each round) over the
+same batches. Reported per system and as ratios ours / FSDP2 (lower is better):
+
+* ``step``: a training step (forward, backward, optimizer step), median; ``optim``: the
+  optimizer step alone;
+* ``all_gather`` / ``reduce_scatter``: calls and bytes of one step, counted exactly at the
+  runtimes' collective calls (``measure.CollectiveBytes``: gathered buffer / unreduced input);
+* ``static_tensors``: the storage bytes of this rank's parameters, gradients and optimizer
+  state (each storage once, FSDP2's padding included), what a GPU holds between steps;
+  ``static``: the same as resident memory, what the resident set drops by when the system is
+  deleted after the run (REFERENCE §6);
+* ``transient``: peak resident memory above the post-warm-up level during a step (REFERENCE
+  §6: ranks started with ``MALLOC_*`` set, ``VmHWM`` reset before the step), median;
+  memory figures are the maximum over ranks (FSDP2's first ranks hold whole chunks);
+* final losses and their difference;
+* with ``--optimizer muon``: ours is ``raggedfsdp.optim.Muon`` (hidden matrices and every
+  fused expert orthogonalised per expert; embedding, head and norms on AdamW) with the bytes
+  its owner exchange moved (``last_step_stats``, summed over ranks) and the Muon matrices
+  cut between ranks (each expert counted on its own; whole ones move nothing); FSDP2's is
+  ``torch.optim.Muon`` on the 2-D hidden matrices and ``torch.optim.AdamW`` on the rest,
+  the 3-D fused experts included: torch's Muon takes 2-D parameters only and a DTensor
+  sharded on dim 0 has no per-expert view, so FSDP2 cannot orthogonalise the experts (its
+  optimizer does less work than ours).
+  Where torch's Muon fails on FSDP2's shards the error is reported instead.
+
+    python benchmarks/moe_vs_fsdp2.py [--world-size 4] [--experts 6] [--mixed-precision]
+        [--optimizer {adamw,muon}] [--steps 8] [--dim 256] [--layers 4] [--moe-hidden 256]
+        [--shared-experts 1] [--dense-layers 1] [--vocab 4096] [--batch 2] [--seq 64]
+    python benchmarks/moe_vs_fsdp2.py --part capacity --world-size 4 --batch 1 --seq 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from measure import (
+    CollectiveBytes,
+    init_gloo,
+    peak_above_now,
+    peak_allocated,
+    spawn_ranks,
+    status_kib,
+)
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the recipe's model, for a script run from benchmarks/
+    sys.path.insert(0, str(REPO))
+from recipes.llama.moe import MoETransformer  # noqa: E402
+from recipes.llama.moe_config import MoEConfig  # noqa: E402
+
+SYSTEMS = ("ours", "fsdp2")
+MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+
+
+def config(args: argparse.Namespace) -> MoEConfig:
+    """The benchmark's MoE shape (the per-expert loop: the CPU path of the recipe)."""
+    return MoEConfig(
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 64),
+        n_kv_heads=max(1, args.dim // 128),
+        vocab_size=args.vocab,
+        n_experts=args.experts,
+        top_k=args.top_k,
+        moe_hidden=args.moe_hidden,
+        n_shared_experts=args.shared_experts,
+        n_dense_layers=args.dense_layers,
+        expert_impl="loop",
+    )
+
+
+def make_model(args: argparse.Namespace) -> MoETransformer:
+    model = MoETransformer(config(args), args.seq)
+    model.init_weights(seed=0)
+    return model
+
+
+def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The MoE model wrapped by ``system`` per block and at the root, with its optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp.optim import Muon
+
+    if system == "ours":
+        from raggedfsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
+    if args.mixed_precision:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    if system == "ours" and args.optimizer == "muon":
+        kwargs["shard_policy"] = Muon.shard_policy()
+    model = make_model(args)
+    for layer in model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, optimizer(system, model, args)
+
+
+def optimizer(system: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    from raggedfsdp.optim import Muon, split_muon_params
+
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(model.parameters(), **ADAMW)
+    groups = split_muon_params(model)
+    if system == "ours":
+        return Muon(groups, **MUON, adamw_lr=ADAMW["lr"])
+    matrices = [p for g in groups if g["use_muon"] for _, p in g["params"] if p.ndim == 2]
+    rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
+    return _Both(torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW))
+
+
+class _Both(torch.optim.Optimizer):
+    """torch's Muon on the 2-D matrices and AdamW on the rest, stepped as one optimizer."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+
+def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Storage bytes of this rank's parameters, gradients and optimizer state (each storage
+    once), and with mixed precision our groups' bf16 copies of their segments (the input of
+    their all-gathers, refreshed once per optimizer step): what a system keeps between steps,
+    padding included."""
+    storages: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            local = getattr(t, "local", None)
+            local = t._local_tensor if hasattr(t, "_local_tensor") else local
+            t = local if isinstance(local, torch.Tensor) else t
+            s = t.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+
+    for p in model.parameters():
+        add(p)
+        add(p.grad)
+    for module in model.modules():  # ours: a group's param-dtype copy of its segment
+        for group in module._fsdp_state().groups if hasattr(module, "_fsdp_state") else []:
+            add(group.compute.shard)
+    for o in getattr(opt, "optimizers", [opt]):
+        for state in o.state.values():
+            for value in state.values():
+                add(value)
+    return sum(storages.values())
+
+
+def _round(args: argparse.Namespace, tokens: torch.Tensor):
+    """The step function of one (model, optimizer) pair: returns (loss, optimizer seconds)."""
+
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        t0 = time.perf_counter()
+        opt.step()
+        elapsed = time.perf_counter() - t0
+        opt.zero_grad()
+        return loss.item(), elapsed
+
+    return step
+
+
+def _build(args: argparse.Namespace, step) -> dict[str, dict[str, Any]]:
+    """Both systems, each warmed up by two steps (optimizer state created), or the error that
+    stopped its first steps."""
+    systems = {}
+    for name in SYSTEMS:
+        model, opt = build(name, args)
+        error = None
+        try:
+            for _ in range(2):
+                step(model, opt)
+        except Exception as e:  # torch's Muon on FSDP2's uneven DTensor shards
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        systems[name] = {"model": model, "opt": opt, "error": error}
+        systems[name]["static_tensors"] = tensor_bytes(model, opt) / 2**20
+    return systems
+
+
+def _static_resident(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """The resident memory each system holds between steps: what the resident set drops by
+    when it is deleted (memory a backend keeps for itself, such as gloo's, stays)."""
+    static = {}
+    for name in SYSTEMS:
+        gc.collect()
+        before = status_kib("VmRSS")
+        del systems[name]["model"], systems[name]["opt"]
+        gc.collect()
+        static[name] = (before - status_kib("VmRSS")) / 1024
+    return static
+
+
+def _warm_up(args: argparse.Namespace, step) -> None:
+    """Both systems on a one-block copy of the model, then dropped: the one-off costs (imports,
+    kernels, autograd and gloo threads, the allocator's arenas) are not charged to the first
+    system measured."""
+    small = argparse.Namespace(**{**vars(args), "layers": 1})
+    for name in SYSTEMS:
+        model, opt = build(name, small)
+        for _ in range(2):
+            try:
+                step(model, opt)
+            except Exception:  # measured (and reported) on the real model
+                break
+        del model, opt
+    gc.collect()
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    init_gloo(rank, world, port)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    step = _round(args, tokens)
+    _warm_up(args, step)
+    systems = _build(args, step)
+    runs = [n for n in SYSTEMS if systems[n]["error"] is None]
+    rounds = {n: {"step": [], "optim": [], "transient": []} for n in runs}
+    for i in range(args.steps):
+        for name in runs[i % len(runs) :] + runs[: i % len(runs)]:
+            model, opt = systems[name]["model"], systems[name]["opt"]
+            dist.barrier()
+            t0 = time.perf_counter()
+            result: dict[str, tuple[float, float]] = {}
+            mem = peak_above_now(lambda m=model, o=opt, r=result: r.update(r=step(m, o)))
+            rounds[name]["step"].append(time.perf_counter() - t0)
+            rounds[name]["optim"].append(result["r"][1])
+            rounds[name]["transient"].append(mem)
+        del model, opt  # no reference left here: deleting a system below must free it
+    report = {name: _last_step(systems[name], step) for name in SYSTEMS}
+    for name in runs:
+        report[name] |= {k: statistics.median(v) for k, v in rounds[name].items()}
+    for name, static in _static_resident(systems).items():
+        report[name]["static"] = static
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, report)
+    if rank == 0:  # memory: the rank that holds most (FSDP2's first ranks hold whole chunks)
+        for name in SYSTEMS:
+            for key in ("static", "static_tensors", "transient"):
+                if key in report[name]:
+                    report[name][key] = max(r[name][key] for r in everyone)
+            if "optimizer_bytes" in report[name]:  # Muon's exchange: all ranks together
+                report[name]["optimizer_bytes"] = sum(r[name]["optimizer_bytes"] for r in everyone)
+        out.put(report)
+    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
+    dist.destroy_process_group()
+
+
+def _last_step(system: dict[str, Any], step) -> dict[str, Any]:
+    """One more step with its collectives counted: calls, MiB, the loss, Muon's exchange."""
+    entry = {"static_tensors": system["static_tensors"], "error": system["error"]}
+    if system["error"] is not None:
+        return entry
+    model, opt = system["model"], system["opt"]
+    counter = CollectiveBytes()
+    with counter.counting():
+        entry["loss"] = step(model, opt)[0]
+    entry["calls"] = dict(counter.calls)
+    entry["bytes"] = {k: v / 2**20 for k, v in counter.bytes.items()}
+    stats = getattr(opt, "last_step_stats", {})
+    if "bytes_sent" in stats:
+        entry["optimizer_bytes"] = stats["bytes_sent"] + stats["bytes_received"]
+        entry["muon_cut"] = muon_cut(model, opt)
+    return entry
+
+
+def muon_cut(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """Muon matrices of ours cut between ranks, by parameter (each expert of a fused tensor
+    counted on its own): those travel to their owner and back; whole ones move nothing."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    cut = {}
+    for group in opt.param_groups:
+        for p in group["params"] if group.get("use_muon") else []:
+            bounds = p.ragged_shard.bounds
+            pieces = [(a, b) for a, b in itertools.pairwise(bounds) if b > a]
+            size = math.prod(p.shape[1:]) if p.ndim == 3 else p.numel()
+            split = [
+                sum(a < start + size and start < b for a, b in pieces) > 1
+                for start in range(0, p.numel(), size)
+            ]
+            if any(split):
+                cut[names[id(p)]] = sum(split)
+    return cut
+
+
+def model_shapes(args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark's wrapping in the capacity planner's shapes format: every block a group,
+    the root (embedding, final norm, head) the root group."""
+    model = make_model(args)
+    root = [[n, list(p.shape)] for n, p in model.named_parameters() if not n.startswith("layers.")]
+    groups = [{"name": "root", "repeat": 1, "root": True, "tensors": root}]
+    for i, layer in enumerate(model.layers):
+        tensors = [[n, list(p.shape)] for n, p in layer.named_parameters()]
+        groups.append({"name": f"layers.{i}", "repeat": 1, "tensors": tensors})
+    return {"name": "moe-benchmark", "groups": groups}
+
+
+def predicted(args: argparse.Namespace) -> dict[str, float]:
+    """The capacity planner's per-rank memory for this run (no activations), in MiB."""
+    from raggedfsdp.capacity import Mesh, Precision, Settings, estimate, parse_shapes
+
+    param = "bfloat16" if args.mixed_precision else "float32"
+    settings = Settings(Mesh(1, args.world_size), precision=Precision(param=param), backend="gloo")
+    est = estimate(parse_shapes(model_shapes(args), "moe_vs_fsdp2"), settings)
+    return {k: v / 2**20 for k, v in est.memory.items()} | {"peak_phase": est.peak_phase}
+
+
+def _capacity_worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    """Ours only: this rank's live tensor bytes between steps and their peak during a step
+    (the profiler's allocator events), the quantities the planner estimates."""
+    init_gloo(rank, world, port)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    step = _round(args, tokens)
+    model, opt = build("ours", args)
+    for _ in range(2):
+        step(model, opt)
+    persistent = tensor_bytes(model, opt) / 2**20
+    peak = peak_allocated(lambda: step(model, opt))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (persistent, persistent + peak))
+    if rank == 0:
+        out.put({"persistent": max(e[0] for e in everyone), "total": max(e[1] for e in everyone)})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def capacity(args: argparse.Namespace) -> None:
+    """Predicted beside measured per-rank memory, one JSON line and a table row."""
+    measured = spawn_ranks(_capacity_worker, args, args.world_size)
+    plan = predicted(args)
+    row = {"benchmark": "moe_capacity", "args": vars(args), "measured": measured}
+    row |= {"predicted": plan, "ratio": plan["total"] / measured["total"]}
+    print(json.dumps(row))
+    persistent = plan["params"] + plan["optimizer"]
+    print(
+        f"W={args.world_size}: persistent predicted {persistent:.2f}"
+        f" / measured {measured['persistent']:.2f} MiB; peak predicted {plan['total']:.2f} / "
+        f"measured {measured['total']:.2f} MiB ({row['ratio']:.3f}; at {plan['peak_phase']})"
+    )
+
+
+def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
+    """ours / FSDP2 of every figure both have."""
+    keys = ("step", "optim", "static", "static_tensors", "transient")
+    out = {k: ours[k] / peer[k] for k in keys if k in ours and k in peer and peer[k]}
+    for kind in ("all_gather", "reduce_scatter"):
+        if kind in ours.get("bytes", {}) and peer.get("bytes", {}).get(kind):
+            out[f"{kind}_bytes"] = ours["bytes"][kind] / peer["bytes"][kind]
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    ours, peer, a = result["ours"], result["fsdp2"], result["args"]
+    print(
+        f"\nW={a['world_size']}, E={a['experts']}, {result['params'] / 1e6:.1f}M parameters, "
+        f"{'bf16/fp32' if a['mixed_precision'] else 'fp32'}, {a['optimizer']}, "
+        f"medians of {a['steps']} rounds"
+    )
+    if peer["error"]:
+        print(f"FSDP2 failed: {peer['error']}")
+        return
+    print(f"{'':30s}{'raggedfsdp':>12s}{'FSDP2':>12s}{'ratio':>8s}")
+    rows = [
+        ("training step (ms)", lambda r: 1e3 * r["step"]),
+        ("optimizer step (ms)", lambda r: 1e3 * r["optim"]),
+        ("all-gather MiB / step", lambda r: r["bytes"].get("all_gather", 0.0)),
+        ("all-gathers / step", lambda r: r["calls"].get("all_gather", 0)),
+        ("reduce-scatter MiB / step", lambda r: r["bytes"].get("reduce_scatter", 0.0)),
+        ("static resident (MiB)", lambda r: r["static"]),
+        ("static tensor bytes (MiB)", lambda r: r["static_tensors"]),
+        ("transient peak (MiB)", lambda r: r["transient"]),
+    ]
+    for label, get in rows:
+        mine, theirs = get(ours), get(peer)
+        ratio = f"{mine / theirs:8.2f}" if theirs else f"{'':8s}"
+        print(f"{label:30s}{mine:12.2f}{theirs:12.2f}{ratio}")
+    if "optimizer_bytes" in ours:
+        print(f"Muon owner exchange (ours, bytes all ranks moved): {ours['optimizer_bytes']}")
+        print(f"Muon matrices cut between ranks (ours; experts each count): {ours['muon_cut']}")
+    print(f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=6)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--moe-hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shared-experts", type=int, default=1)
+    parser.add_argument("--dense-layers", type=int, default=1, help="leading dense blocks")
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    parser.add_argument(
+        "--part",
+        choices=("compare", "capacity"),
+        default="compare",
+        help="capacity: ours alone, the capacity planner's per-rank memory beside the measured "
+        "live tensor bytes (use a tiny batch: the planner leaves activations out)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        config(args).check()  # bad shapes fail here, in one line, before any process starts
+    except ValueError as e:
+        parser.error(str(e))
+    if args.world_size < 2:
+        parser.error(f"--world-size {args.world_size}: compare at 2 ranks or more")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.part == "capacity":
+        capacity(args)
+        return
+    report = spawn_ranks(_worker, args, args.world_size)
+    params = sum(p.numel() for p in make_model(args).parameters())
+    result = {"benchmark": "moe_vs_fsdp2", "args": vars(args), "params": params, **report}
+    if report["fsdp2"]["error"] is None:
+        result["ratio"] = ratios(report["ours"], report["fsdp2"])
+        result["loss_diff"] = abs(report["ours"]["loss"] - report["fsdp2"]["loss"])
+    print(json.dumps(result))
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()

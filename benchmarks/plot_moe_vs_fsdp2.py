@@ -1,0 +1,66 @@
+"""Plot raggedfsdp / FSDP2 ratios from the JSON lines of ``moe_vs_fsdp2.py`` runs.
+
+    python benchmarks/moe_vs_fsdp2.py ... | grep '^{' >> benchmarks/results/moe_vs_fsdp2.jsonl
+    python benchmarks/plot_moe_vs_fsdp2.py [--results ...jsonl] [--out ...png]
+
+One group of bars per configuration, its latest run (training step, all-gather bytes, static and
+transient memory); the dashed line at 1.0 is FSDP2, the legend gives the W=4, E=6 goals of the
+MoE issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+RESULTS = Path(__file__).parent / "results"
+METRICS = [
+    ("step", "training step", 0.7),
+    ("all_gather_bytes", "all-gather bytes / step", 0.77),
+    ("static_tensors", "static memory (tensor bytes)", 0.8),
+    ("transient", "transient peak (resident)", 0.6),
+]
+
+
+def label(run: dict) -> str:
+    a = run["args"]
+    text = f"W={a['world_size']}, E={a['experts']}\n{run['params'] / 1e6:.0f}M"
+    text += ", bf16/fp32" if a["mixed_precision"] else ", fp32"
+    text += f"\n{a['optimizer']}"
+    return text + (", experts-heavy" if a.get("shared_experts") == 0 else "")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS / "moe_vs_fsdp2.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "moe_vs_fsdp2.png")
+    args = parser.parse_args()
+    lines = args.results.read_text().splitlines()
+    # the latest run of each configuration (a rerun after a change replaces the older one)
+    latest = {label(r): r for r in map(json.loads, filter(str.strip, lines)) if "ratio" in r}
+    runs = list(latest.values())
+    width = 0.8 / len(METRICS)
+    fig, ax = plt.subplots(figsize=(1.4 * len(runs) + 2, 4.8))
+    for i, (key, name, goal) in enumerate(METRICS):
+        xs = [j + i * width for j in range(len(runs))]
+        ys = [r["ratio"].get(key, 0.0) for r in runs]
+        ax.bar(xs, ys, width, label=f"{name} (goal ≤ {goal})")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="FSDP2")
+    ticks = [j + 1.5 * width for j in range(len(runs))]
+    ax.set_xticks(ticks, [label(r) for r in runs], fontsize=7)
+    ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")
+    ax.set_title("MoE (fused experts, E not divisible by W): fully_shard vs FSDP2 (CPU, gloo)")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

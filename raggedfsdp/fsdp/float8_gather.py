@@ -1,0 +1,157 @@
+"""One group's block-wise FP8 all-gather: pack this rank's tiles, unpack every rank's.
+
+``pack`` quantizes this rank's pieces of the eligible weights from the fp32 master segment
+straight into its segment of a byte payload (codes, then the tiles' scales) and casts the other
+tensors' pieces there in the compute dtype; the payload is all-gathered as one flat byte buffer
+(``Float8Payload`` says where everything is); ``unpack`` dequantizes every rank's pieces into
+the compute buffer, whose views are the module's parameters. Quantizing runs on the current
+(compute) stream before the collective is issued and unpacking on the stream that waited for
+it, as the plain gather's cast does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from raggedfsdp.fsdp.float8 import FP8_DTYPE, Float8Blocks, dequantize_tiles, quantize_tiles
+from raggedfsdp.fsdp.float8_linear import Float8Weight
+from raggedfsdp.sharding import FlatBuffer, Layout
+from raggedfsdp.sharding.float8_payload import SCALE_BYTES, Float8Payload, PayloadPiece
+from raggedfsdp.sharding.units import float8_tiles
+
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp.param_group import ManagedParam
+
+__all__ = ["Float8Gather", "float8_notes"]
+
+
+def _eligible(layout: Layout, block: int) -> dict[str, tuple[int, int]]:
+    tiles = {t.name: float8_tiles(t.name, t.shape, block) for t in layout.tensors}
+    return {name: tile for name, tile in tiles.items() if tile is not None}
+
+
+def float8_notes(
+    layout: Layout, policy: Float8Blocks, dtype: torch.dtype, group: str
+) -> tuple[str, ...]:
+    """The group's note on tensors that keep ``dtype`` in the gather; with ``strict`` an error
+    naming the weights of 2+ dims among them (raised before anything is built)."""
+    tiled = _eligible(layout, policy.block)
+    kept = [t for t in layout.tensors if t.name not in tiled]
+    weights = [f"{t.name} {t.shape}" for t in kept if len(t.shape) >= 2]
+    if policy.strict and weights:
+        raise ValueError(
+            f"fully_shard group {group!r}: Float8Blocks({policy.block}, strict=True) cannot tile "
+            f"{', '.join(weights)}: each matrix needs at least {policy.block} rows and columns; "
+            "use strict=False to keep them in the compute dtype, or wrap them separately"
+        )
+    if not kept:
+        return ()
+    names = ", ".join(t.name for t in kept)
+    return (f"FP8 all-gather: kept in {str(dtype).removeprefix('torch.')}: {names}",)
+
+
+class Float8Gather:
+    """The payload plan of one group and the pack/unpack steps around its all-gather."""
+
+    def __init__(self, layout: Layout, policy: Float8Blocks, dtype: torch.dtype) -> None:
+        self.block = policy.block
+        self.dtype = dtype
+        self.plan = Float8Payload(
+            layout, _eligible(layout, policy.block), policy.block, dtype.itemsize
+        )
+
+    def pack(self, master: FlatBuffer, rank: int) -> tuple[Tensor, Tensor]:
+        """A fresh payload (``W`` segments of bytes) and this rank's segment of it, filled from
+        the master segment: the all-gather's output and input."""
+        seg = self.plan.segment_bytes
+        full = torch.empty(self.plan.buffer_bytes, dtype=torch.uint8, device=master.device)
+        mine = full[rank * seg : (rank + 1) * seg]
+        for piece in self.plan.pieces[rank]:
+            source = master.shard_view(piece.name)
+            if piece.tiles is None:
+                self._raw(mine, piece).copy_(source)
+                continue
+            codes, scales = quantize_tiles(source.view(piece.tiles), self.block)
+            self._codes(mine, piece).copy_(codes)
+            self._scales(mine, piece).copy_(scales)
+        return full, mine
+
+    def unpack(self, full: Tensor, compute: FlatBuffer) -> None:
+        """Dequantize (or copy) every rank's pieces from the gathered payload into
+        ``compute.full`` and zero its padding, as a plain gather of zero-padded segments
+        leaves it."""
+        seg = self.plan.segment_bytes
+        for rank, pieces in enumerate(self.plan.pieces):
+            chunk = full[rank * seg : (rank + 1) * seg]
+            self._unpack_rank(chunk, pieces, compute)
+        compute.zero_full_padding()
+
+    def weights(self, full: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+        """Every quantized tensor's whole codes ``(B, m, n)`` and scales ``(B, ceil(m/block),
+        ceil(n/block))`` from a gathered payload (copies: a tensor's pieces lie in several
+        ranks' segments), exactly what ``quantize_tiles`` gives for the whole master tensor."""
+        seg, codes, scales = self.plan.segment_bytes, {}, {}
+        for rank, pieces in enumerate(self.plan.pieces):
+            chunk = full[rank * seg : (rank + 1) * seg]
+            for piece in pieces:
+                if piece.tiles is not None:
+                    codes.setdefault(piece.name, []).append(self._codes(chunk, piece).flatten())
+                    scales.setdefault(piece.name, []).append(self._scales(chunk, piece).flatten())
+        out = {}
+        for name, (matrix_rows, cols) in self.plan.tiles.items():
+            numel = self.plan.layout.by_name[name].numel
+            shape = (numel // (matrix_rows * cols), matrix_rows, cols)
+            grid = (shape[0], -(-matrix_rows // self.block), -(-cols // self.block))
+            out[name] = (torch.cat(codes[name]).view(shape), torch.cat(scales[name]).view(grid))
+        return out
+
+    def keep(self, full: Tensor, params: Sequence[ManagedParam]) -> None:
+        """Give every gathered 2-D weight its codes and scales (``param.float8_blocks``, for
+        ``float8_block_linear``) until ``drop``; stacked tensors keep none."""
+        by_name = {mp.fqn: mp.unsharded for mp in params}
+        for name, (codes, scales) in self.weights(full).items():
+            if by_name[name].dim() == 2:
+                by_name[name].float8_blocks = Float8Weight(codes[0], scales[0])
+
+    @staticmethod
+    def drop(params: Sequence[ManagedParam]) -> None:
+        """Forget the kept codes (the group is resharded)."""
+        for mp in params:
+            mp.unsharded.__dict__.pop("float8_blocks", None)
+
+    def _unpack_rank(
+        self, chunk: Tensor, pieces: Sequence[PayloadPiece], compute: FlatBuffer
+    ) -> None:
+        for piece in pieces:
+            flat = compute.full_view(piece.name).view(-1)
+            dest = flat[piece.tensor_offset : piece.tensor_offset + piece.numel]
+            if piece.tiles is None:
+                dest.copy_(self._raw(chunk, piece))
+                continue
+            codes = self._codes(chunk, piece)
+            dequantize_tiles(
+                codes,
+                self._scales(chunk, piece),
+                self.block,
+                self.dtype,
+                out=dest.view(piece.tiles),
+            )
+
+    def _raw(self, chunk: Tensor, piece: PayloadPiece) -> Tensor:
+        size = piece.numel * self.dtype.itemsize
+        return chunk[piece.data_offset : piece.data_offset + size].view(self.dtype)
+
+    @staticmethod
+    def _codes(chunk: Tensor, piece: PayloadPiece) -> Tensor:
+        codes = chunk[piece.data_offset : piece.data_offset + piece.numel].view(FP8_DTYPE)
+        return codes.view(piece.tiles)
+
+    def _scales(self, chunk: Tensor, piece: PayloadPiece) -> Tensor:
+        start = piece.scale_offset
+        scales = chunk[start : start + piece.num_scales * SCALE_BYTES].view(torch.float32)
+        matrices, rows, cols = piece.tiles
+        return scales.view(matrices, -(-rows // self.block), -(-cols // self.block))

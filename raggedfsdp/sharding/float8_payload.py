@@ -1,0 +1,163 @@
+"""The byte payload of a block-wise FP8 all-gather: what each rank sends, where, in how many bytes.
+
+With ``Float8Blocks`` the group's all-gather moves bytes instead of ``param_dtype`` elements.
+Each rank's segment of the payload holds, for every piece of a tensor the rank owns (in the
+order of its segment of the planned layout):
+
+* an eligible weight's piece (whole ``block x block`` tile rows, thanks to the units of
+  ``float8_block_policy``): one FP8 code byte per element, then one fp32 scale per tile;
+* any other tensor's piece: its elements in the compute dtype, as the plain gather sends them.
+
+Padding between tensors is not sent. Every region starts at a multiple of ``alignment`` bytes,
+so each can be viewed as its dtype in place. All segments have the size of the largest rank's
+content, so the payload is one equal-segment all-gather: scales need no collective of their
+own, and every rank can find every other rank's pieces from the layout alone.
+
+Pure Python: the capacity planner reports the same bytes as the runtime sends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, Layout
+
+__all__ = ["SCALE_BYTES", "Float8Payload", "PayloadPiece"]
+
+#: Bytes of one tile's scale (fp32).
+SCALE_BYTES = 4
+
+
+def _align(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+@dataclass(frozen=True)
+class PayloadPiece:
+    """One rank's piece of one tensor in the payload.
+
+    ``tensor_offset``/``numel`` locate it in the tensor (flat, row-major); ``data_offset`` is its
+    first byte in the rank's payload segment. For a quantized piece (``tiles`` not None) the
+    data are ``numel`` FP8 codes of a ``(matrices, rows, cols)`` block and ``scale_offset`` the
+    first byte of its ``matrices x tile rows x tile cols`` fp32 scales; otherwise the data are
+    ``numel`` elements in the compute dtype.
+    """
+
+    name: str
+    tensor_offset: int
+    numel: int
+    data_offset: int
+    tiles: tuple[int, int, int] | None = None  # (matrices, rows, cols) of the piece
+    scale_offset: int = 0
+    num_scales: int = 0
+
+
+class Float8Payload:
+    """Per-rank payload pieces and segment size for one planned group.
+
+    Args:
+        layout: the group's plan (its units must keep tiles whole: checked here).
+        tiles: ``name -> (matrix rows, row length)`` for the quantized tensors
+            (``float8_tiles``); the others travel in the compute dtype.
+        block: tile side.
+        raw_itemsize: bytes per element of the compute dtype.
+        alignment: byte alignment of every region and of the segment size.
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        tiles: Mapping[str, tuple[int, int]],
+        block: int,
+        raw_itemsize: int,
+        alignment: int = DEFAULT_ALIGNMENT_BYTES,
+    ) -> None:
+        self.layout = layout
+        self.tiles = dict(tiles)
+        self.block = block
+        self.raw_itemsize = raw_itemsize
+        self.alignment = alignment
+        for name in self.tiles:
+            unit, band = layout.by_name[name].unit, self._band_rows(name) * self.tiles[name][1]
+            if unit % band:
+                raise ValueError(
+                    f"tensor {name!r} has unit {unit} elements, which cuts its "
+                    f"{block}x{block} FP8 tiles (need a multiple of {band}); combine the shard "
+                    "policy with float8_block_policy(block)"
+                )
+
+    def _band_rows(self, name: str) -> int:
+        """Rows a piece starts at multiples of: ``block`` in a tensor that is one tile matrix,
+        a whole matrix where tiles restart at each (unaligned experts)."""
+        matrix_rows, cols = self.tiles[name]
+        whole = self.layout.by_name[name].numel // cols
+        return self.block if matrix_rows == whole else matrix_rows
+
+    @cached_property
+    def pieces(self) -> tuple[tuple[PayloadPiece, ...], ...]:
+        """Every rank's pieces, in segment order: one pass over the tensors (a tensor's ranks
+        are the segments its range touches)."""
+        seg = self.layout.segment_size
+        spans: list[list[tuple[int, str, int, int]]] = [[] for _ in range(self.layout.world_size)]
+        for t in self.layout.tensors:
+            start = self.layout.offsets[t.name]
+            for rank in range(start // seg, (start + t.numel - 1) // seg + 1 if t.numel else 0):
+                lo, hi = max(start, rank * seg), min(start + t.numel, (rank + 1) * seg)
+                spans[rank].append((lo, t.name, lo - start, hi - lo))
+        return tuple(self._place(sorted(rank_spans)) for rank_spans in spans)
+
+    def _place(self, spans: list[tuple[int, str, int, int]]) -> tuple[PayloadPiece, ...]:
+        """Byte offsets of one rank's pieces, each region aligned."""
+        placed, cursor, a = [], 0, self.alignment
+        for _, name, offset, numel in spans:
+            if name not in self.tiles:
+                placed.append(PayloadPiece(name, offset, numel, cursor))
+                cursor = _align(cursor + numel * self.raw_itemsize, a)
+                continue
+            matrix_rows, cols = self.tiles[name]
+            rows = numel // cols
+            if self._band_rows(name) == self.block:  # a band of one matrix's tile rows
+                shape = (1, rows, cols)
+            else:  # whole matrices
+                shape = (rows // matrix_rows, matrix_rows, cols)
+            scales = shape[0] * math.ceil(shape[1] / self.block) * math.ceil(cols / self.block)
+            scale_offset = _align(cursor + numel, a)
+            placed.append(PayloadPiece(name, offset, numel, cursor, shape, scale_offset, scales))
+            cursor = _align(scale_offset + scales * SCALE_BYTES, a)
+        return tuple(placed)
+
+    def rank_bytes(self, rank: int) -> int:
+        """Bytes of ``rank``'s content (its segment is ``segment_bytes``)."""
+        pieces = self.pieces[rank]
+        if not pieces:
+            return 0
+        last = pieces[-1]
+        end = (
+            last.scale_offset + last.num_scales * SCALE_BYTES
+            if last.tiles
+            else last.data_offset + last.numel * self.raw_itemsize
+        )
+        return _align(end, self.alignment)
+
+    @cached_property
+    def segment_bytes(self) -> int:
+        """Bytes per rank of the all-gather: the largest rank's content (at least one alignment
+        unit, so an all-empty group still has a valid buffer)."""
+        return max(self.alignment, *(self.rank_bytes(r) for r in range(self.layout.world_size)))
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the gathered payload (``W`` segments)."""
+        return self.layout.world_size * self.segment_bytes
+
+    @property
+    def quantized_numel(self) -> int:
+        return sum(self.layout.by_name[name].numel for name in self.tiles)
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes of real data over all ranks: codes, scales and compute-dtype tensors."""
+        return sum(self.rank_bytes(r) for r in range(self.layout.world_size))

@@ -1,0 +1,72 @@
+"""The capacity planner's ``--all-gather fp8`` bytes are the runtime's payload bytes."""
+
+from __future__ import annotations
+
+import json
+from unittest import mock
+
+import pytest
+import torch
+from torch import nn
+
+from raggedfsdp import MixedPrecisionPolicy, fully_shard
+from raggedfsdp.capacity import Group, Mesh, ModelShapes, Settings, estimate
+from raggedfsdp.capacity.cli import main
+from raggedfsdp.fsdp import Float8Blocks
+from raggedfsdp.fsdp.float8_gather import Float8Gather
+from raggedfsdp.fsdp.state import STATE_ATTR
+
+#: 128x128 tiles with partial edges, whole unaligned experts, and tensors kept in bf16.
+SHAPES = {
+    "up": (384, 256),
+    "down": (200, 384),
+    "experts.w": (3, 200, 128),
+    "norm": (256,),
+    "gate": (4, 256),
+}
+
+
+def _runtime_bytes() -> dict:
+    model = nn.Module()
+    model.experts = nn.Module()
+    for name, shape in SHAPES.items():
+        owner, leaf = (model.experts, "w") if name == "experts.w" else (model, name)
+        owner.register_parameter(leaf, nn.Parameter(torch.randn(shape)))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=Float8Blocks())
+    fully_shard(model, mp_policy=policy)
+    sent = []
+    real_pack = Float8Gather.pack
+
+    def pack(self, master, rank):
+        full, mine = real_pack(self, master, rank)
+        sent.append((full.numel(), mine.numel()))
+        return full, mine
+
+    with mock.patch.object(Float8Gather, "pack", pack):
+        model.unshard()
+    group = getattr(model, STATE_ATTR).group
+    model.reshard()
+    return {"sent": sent[0], "segment": group.layout.segment_size}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_planned_bytes_equal_the_runtime_payload(pool, world_size):
+    runtime = pool.run(_runtime_bytes)[0]
+    shapes = ModelShapes("tiny", "test", (Group("block", 1, tuple(SHAPES.items())),))
+    est = estimate(shapes, Settings(Mesh(1, world_size), all_gather="fp8"))
+    plan = est.plans[0]
+    assert plan.segment == runtime["segment"]
+    assert (world_size * plan.gather_bytes, plan.gather_bytes) == runtime["sent"]
+    assert est.float8["payload"] == runtime["sent"][0]
+    assert est.traffic["all_gather"] == 2 * (world_size - 1) * plan.gather_bytes
+
+
+def test_cli_reports_about_half_the_bytes_for_llama3(capsys):
+    assert main(["llama3-8b", "-w", "8", "--all-gather", "fp8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fp8 = out["float8_all_gather_bytes"]
+    assert out["all_gather"] == "fp8" and 0.5 < fp8["ratio"] < 0.501
+    assert fp8["payload"] == fp8["codes"] + fp8["scales"] + fp8["kept"] + fp8["padding"]
+    assert fp8["scales"] == fp8["codes"] / (128 * 128) * 4
+    with pytest.raises(SystemExit, match="2"):  # argparse's status for a bad choice
+        main(["llama3-8b", "-w", "8", "--all-gather", "fp4"])
