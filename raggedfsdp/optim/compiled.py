@@ -26,8 +26,8 @@ from torch import Tensor
 __all__ = ["CompiledRegions", "compiler_problem", "use_compiled"]
 
 #: Devices where ``fused=None`` compiles: a GPU step is launch- and gather-bound eagerly, and
-#: triton is part of their torch builds. On CPU the default stays eager (see ``use_compiled``);
-#: ``fused=True`` there runs a hand-written kernel for fp32 parameters (``native.py``).
+#: triton is part of their torch builds. Not CPU, where inductor graphs take tens of seconds to
+#: build: ``AdamW8bit`` runs its hand-written kernel there for fp32 parameters (``native.py``).
 COMPILED_BY_DEFAULT = ("cuda", "xpu")
 
 
@@ -67,9 +67,8 @@ def compiler_problem(device: torch.device) -> str | None:
 def use_compiled(fused: bool | None, device: torch.device) -> bool:
     """Whether to run the compiled step on ``device``: ``fused=True`` always (raising, with the
     reason and the fix, where it cannot build kernels), ``False`` never, and ``None`` on GPUs
-    where it can. CPU defaults to eager, so that default results are bitwise torchao's and
-    nothing is built unasked: ``fused=True`` builds the CPU kernel once per machine (~2 s with
-    the C++ compiler inductor uses; inductor graphs, for other dtypes, take tens of seconds)."""
+    where it can; ``None`` on CPU gives eager here (``AdamW8bit`` decides its CPU kernel
+    itself: it builds in ~2 s, inductor graphs for other dtypes in tens of seconds)."""
     if fused is False or (fused is None and device.type not in COMPILED_BY_DEFAULT):
         return False
     problem = compiler_problem(device)

@@ -389,19 +389,40 @@ def test_fused_step_compiles_once_per_shape_set():
     assert list(run({"d": (7, 4096), "e": (4100,)}, steps=2)) == [first, first]
 
 
-def test_fused_needs_a_compiler_and_says_so(monkeypatch):
+def test_fused_needs_a_compiler_and_says_so():
     from torch._inductor import config
 
-    monkeypatch.setattr(config.cpp, "cxx", (None, "no-such-c++-compiler"))
     p = torch.nn.Parameter(torch.zeros(64, 64))
-    with pytest.raises(
-        RuntimeError, match=r"no C\+\+ compiler .*no-such-c\+\+-compiler.*fused=False"
-    ):
-        AdamW8bit([p], fused=True)
-    assert not use_compiled(None, torch.device("cpu"))  # CPU's default: eager, nothing probed
-    AdamW8bit([p])  # so the default still works without a compiler
+    # config.patch, not monkeypatch: inductor's config cannot take its attributes back by setattr
+    with config.patch({"cpp.cxx": (None, "no-such-c++-compiler")}):
+        with pytest.raises(
+            RuntimeError, match=r"no C\+\+ compiler .*no-such-c\+\+-compiler.*fused=False"
+        ):
+            AdamW8bit([p], fused=True)
+        assert not use_compiled(None, torch.device("cpu"))  # inductor is not CPU's default
     with pytest.raises(ValueError, match="fused='yes'"):
         AdamW8bit([p], fused="yes")
+
+
+def test_default_on_cpu_is_the_kernel_for_fp32_and_eager_where_it_cannot_build(monkeypatch):
+    from raggedfsdp.optim import adamw8bit, native
+
+    p = torch.nn.Parameter(torch.zeros(64, 64))
+    opt = AdamW8bit([p])
+    assert opt._update_fn(p) is native.native_update_  # fused=None on CPU: the kernel
+    half = torch.nn.Parameter(torch.zeros(64, 64, dtype=torch.bfloat16))
+    assert AdamW8bit([half])._update_fn(half) is adamw8bit.adamw8bit_update_  # no inductor
+
+    def no_build(*_: object) -> None:
+        raise RuntimeError("building the 8-bit AdamW CPU kernel failed: no compiler")
+
+    monkeypatch.setattr(adamw8bit, "cpu_kernel", no_build)
+    with pytest.warns(UserWarning, match=r"eager step on CPU.*kernel could not be built"):
+        opt = AdamW8bit([p])
+    assert opt._update_fn(p) is adamw8bit.adamw8bit_update_
+    p.grad = torch.ones_like(p)
+    opt.step()  # and it steps
+    assert bool((p < 0).all())
 
 
 # ----------------------------------------------------------------------------- accuracy
