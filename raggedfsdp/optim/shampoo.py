@@ -333,9 +333,9 @@ def shampoo_slabs(
         jobs = root_jobs([p.block for p in placed], [p.order for p in placed], h)
         inverse_roots_(jobs, h.eps, h.eps_before, h.root_method, stats, h.batching)
     base = "graft" if h.grafting is not None else "filtered"
-    outs = [task.inputs[base].clone() for task in tasks]
     if not h.use_shampoo:
-        return outs
+        return [task.inputs[base].clone() for task in tasks]
+    outs = [torch.empty_like(task.inputs[base]) for task in tasks]  # every block overwrites
     for batch in batches:
         directions = direction_batch(batch, tasks, h)
         torch._foreach_copy_([outs[p.task][:, p.cols] for p in batch], list(directions.unbind(0)))
