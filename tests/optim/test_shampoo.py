@@ -5,7 +5,6 @@ for layouts that cut blocks, fully_shard, state dicts, DCP resharding, bad input
 from __future__ import annotations
 
 import copy
-import math
 from unittest import mock
 
 import pytest
@@ -13,15 +12,12 @@ import torch
 
 from raggedfsdp.optim import AdamW, Shampoo
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
+from tests.support.blocked_layouts import MODES, layout_options, same_grads, train_on_layout
 from tests.support.optim_helpers import (
     assert_resumes_bitwise,
-    counted_params,
     exact_grads,
     init_tensors,
     mode_params,
-    ragged_params,
-    rank_world,
-    set_ragged_grads,
     train_checkpointed,
 )
 from tests.support.shampoo_reference import reference
@@ -81,15 +77,8 @@ CONFIGS = {
 SHARDED = ["defaults", "ema-freq2-start3", "vectors", "ds-layout"]
 
 
-def _layout_options(config: dict) -> dict:
-    return {k: config[k] for k in ("merge_dims", "precondition_1d") if k in config}
-
-
 def _grads(steps: int, world: int = 1) -> list[dict[str, torch.Tensor]]:
-    return [
-        {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
-        for step in range(steps)
-    ]
+    return same_grads(SHAPES, steps, world)
 
 
 def _run_single(config: dict, dtype: torch.dtype, steps: int = 10) -> dict[str, torch.Tensor]:
@@ -285,61 +274,10 @@ def test_newton_roots_are_within_1e_5_of_eigh_roots_in_fp32():
 
 
 # ----------------------------------------------------------------------------- world sizes
-MODES = ("planned", "uneven", "drop-in", "cut")
-
-
-def _layout(kind: str, world: int, config: dict) -> dict[str, RaggedShard]:
-    """Explicit splits: ``uneven`` (whole slabs, some ranks empty) or ``cut`` (element units
-    that cut blocks, ragged)."""
-    policy = Shampoo.shard_policy(B, **_layout_options(config))
-    out = {}
-    for i, (n, shape) in enumerate(SHAPES.items()):
-        numel = math.prod(shape)
-        if kind == "uneven":
-            unit = policy(n, torch.empty(shape))
-            units = -(-numel // unit)
-            counts = [0] * world
-            for u in range(units):  # pile onto the last ranks, leaving rank 0 mostly empty
-                counts[(world - 1 - (u + i) % 2) % world] += 1
-            counts = sorted(counts)
-            out[n] = RaggedShard.from_counts(shape, unit, counts, n)
-        else:
-            cuts = sorted((numel * (3 * r + i)) // (3 * world + 2) for r in range(1, world))
-            bounds = [0, *cuts, numel]
-            counts = [bounds[r + 1] - bounds[r] for r in range(world)]
-            out[n] = RaggedShard.from_counts(shape, 1, counts, n)
-    return out
-
-
 def _train(mode: str, config: dict, steps: int = 4) -> tuple[dict, list[dict]]:
     """Full parameters and states after ``steps`` steps (identical gradients on every rank) and
     the per-step stats."""
-    rank, world = rank_world()
-    init = init_tensors(SHAPES)
-    if mode == "planned":
-        policy = Shampoo.shard_policy(B, **_layout_options(config))
-        params, gbuf = ragged_params(init, policy, world, rank)
-    elif mode in ("uneven", "cut"):
-        params, gbuf = counted_params(init, _layout(mode, world, config), rank), None
-    else:
-        params, gbuf = {n: torch.nn.Parameter(t) for n, t in init.items()}, None
-    opt = Shampoo(list(params.items()), **{**BASE, **config})
-    stats = []
-    for grads in _grads(steps, world):
-        if mode in ("planned", "uneven", "cut"):
-            set_ragged_grads(params, grads, gbuf)
-        else:
-            for n, p in params.items():
-                p.grad = grads[n].clone()
-        opt.step()
-        stats.append(dict(opt.last_step_stats))
-    out = {}
-    for i, (n, p) in enumerate(params.items()):
-        out[n] = p.full_tensor() if isinstance(p, RaggedTensor) else p.detach().clone()
-        for key, value in opt.state_dict()["state"][i].items():
-            full = value.full_tensor() if isinstance(value, RaggedTensor) else value
-            out[f"{n}.{key}"] = full.clone()
-    return out, stats
+    return train_on_layout(Shampoo, B, SHAPES, BASE, mode, config, steps)
 
 
 WORLD_CASES = [
@@ -444,7 +382,7 @@ def _dcp(path: str, mode: str, config: str, save: bool) -> dict[str, torch.Tenso
     """Save after 2 steps then run 2 more (save=True), or load and run the last 2."""
     init = init_tensors(SHAPES, seed=0 if save else 3)
     options = {**BASE, **CONFIGS[config], "momentum": 0.5}
-    params, gbuf = mode_params(init, Shampoo.shard_policy(B, **_layout_options(options)), mode)
+    params, gbuf = mode_params(init, Shampoo.shard_policy(B, **layout_options(options)), mode)
     opt = Shampoo(list(params.items()), **options)
     return train_checkpointed(opt, params, gbuf, SHAPES, path, save, steps=4, at=2)
 

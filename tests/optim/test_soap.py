@@ -5,22 +5,17 @@ local, owner compute for layouts that cut blocks, state dicts, DCP resharding, b
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 
 from raggedfsdp.optim import SOAP
 from raggedfsdp.sharding import RaggedShard, RaggedTensor
+from tests.support.blocked_layouts import same_grads, train_on_layout
 from tests.support.optim_helpers import (
     assert_resumes_bitwise,
-    counted_params,
-    exact_grads,
     init_tensors,
     mode_params,
-    ragged_params,
-    rank_world,
-    set_ragged_grads,
     train_checkpointed,
 )
 from tests.support.soap_reference import reference
@@ -43,15 +38,8 @@ CONFIGS = {
 }
 
 
-def _layout_options(config: dict) -> dict:
-    return {k: config[k] for k in ("merge_dims", "precondition_1d") if k in config}
-
-
 def _grads(steps: int, world: int = 1) -> list[dict[str, torch.Tensor]]:
-    return [
-        {n: g[0] for n, g in exact_grads(SHAPES, step, world, same=True).items()}
-        for step in range(steps)
-    ]
+    return same_grads(SHAPES, steps, world)
 
 
 def _run_single(config: dict, dtype: torch.dtype, steps: int = 11) -> dict[str, torch.Tensor]:
@@ -106,53 +94,8 @@ def test_the_first_step_builds_the_bases_and_moves_nothing():
 
 
 # ----------------------------------------------------------------------------- world sizes
-def _layout(kind: str, world: int, config: dict) -> dict[str, RaggedShard]:
-    """``uneven``: whole slabs piled on the last ranks; ``cut``: element splits that cut."""
-    policy = SOAP.shard_policy(B, **_layout_options(config))
-    out = {}
-    for i, (n, shape) in enumerate(SHAPES.items()):
-        numel = math.prod(shape)
-        if kind == "uneven":
-            unit = policy(n, torch.empty(shape))
-            counts = [0] * world
-            for u in range(-(-numel // unit)):
-                counts[(world - 1 - (u + i) % 2) % world] += 1
-            out[n] = RaggedShard.from_counts(shape, unit, sorted(counts), n)
-        else:
-            cuts = sorted((numel * (3 * r + i)) // (3 * world + 2) for r in range(1, world))
-            bounds = [0, *cuts, numel]
-            counts = [bounds[r + 1] - bounds[r] for r in range(world)]
-            out[n] = RaggedShard.from_counts(shape, 1, counts, n)
-    return out
-
-
 def _train(mode: str, config: dict, steps: int = 5) -> tuple[dict, list[dict]]:
-    rank, world = rank_world()
-    init = init_tensors(SHAPES)
-    if mode == "planned":
-        policy = SOAP.shard_policy(B, **_layout_options(config))
-        params, gbuf = ragged_params(init, policy, world, rank)
-    elif mode in ("uneven", "cut"):
-        params, gbuf = counted_params(init, _layout(mode, world, config), rank), None
-    else:
-        params, gbuf = {n: torch.nn.Parameter(t) for n, t in init.items()}, None
-    opt = SOAP(list(params.items()), **{**BASE, **config})
-    stats = []
-    for grads in _grads(steps, world):
-        if mode in ("planned", "uneven", "cut"):
-            set_ragged_grads(params, grads, gbuf)
-        else:
-            for n, p in params.items():
-                p.grad = grads[n].clone()
-        opt.step()
-        stats.append(dict(opt.last_step_stats))
-    out = {}
-    for i, (n, p) in enumerate(params.items()):
-        out[n] = p.full_tensor() if isinstance(p, RaggedTensor) else p.detach().clone()
-        for key, value in opt.state_dict()["state"][i].items():
-            full = value.full_tensor() if isinstance(value, RaggedTensor) else value
-            out[f"{n}.{key}"] = full.clone()
-    return out, stats
+    return train_on_layout(SOAP, B, SHAPES, BASE, mode, config, steps)
 
 
 WORLD_CASES = [
