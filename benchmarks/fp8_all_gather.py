@@ -1,16 +1,17 @@
 """Block-wise FP8 all-gather vs PyTorch FSDP2's bf16 all-gather, side by side (CPU, gloo).
 
-Three systems wrap the same LLaMA-style model (``fsdp_vs_fsdp2.Model``: same init, same data,
+Four systems wrap the same LLaMA-style model (``fsdp_vs_fsdp2.Model``: same init, same data,
 same ``torch.optim.AdamW``) per block and at the root, all with fp32 master weights, bf16
 compute and fp32 gradient reduction:
 
 * ``fp8``: ``raggedfsdp.fully_shard`` with ``MixedPrecisionPolicy(all_gather=Float8Blocks(128))``;
+* ``mxfp8``: the same with ``MXFP8Blocks()`` (1x32 blocks, e8m0 scales, whole-row units);
 * ``bf16``: ``raggedfsdp.fully_shard`` gathering bf16 (the same policy without ``all_gather``);
 * ``fsdp2``: PyTorch's ``fully_shard`` (bf16 all-gather).
 
 Reported per rank: the bytes of every all-gather of one training step (the gathered buffers,
 ``CollectiveBytes``) and the ratio fp8 / FSDP2 (the goal is <= 0.55); the step time, measured
-alternately (fp8 bf16 fsdp2 fp8 ...), as ratios of medians (FP8 costs a quantization of the
+alternately (fp8 mxfp8 bf16 fsdp2 fp8 ...), as ratios of medians (FP8 costs a quantization of the
 rank's tiles and a dequantization of the whole group per gather, on the CPU); and the losses
 of the last step (the FP8 run trains on quantized weights, so it differs a little).
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from fsdp_vs_fsdp2 import Model
 from measure import CollectiveBytes, init_gloo, spawn_ranks
 
-SYSTEMS = ("fp8", "bf16", "fsdp2")
+SYSTEMS = ("fp8", "mxfp8", "bf16", "fsdp2")
 
 
 def build(system: str, args: argparse.Namespace) -> tuple[Model, torch.optim.Optimizer]:
@@ -43,9 +44,9 @@ def build(system: str, args: argparse.Namespace) -> tuple[Model, torch.optim.Opt
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     else:
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
-        from raggedfsdp.fsdp import Float8Blocks
+        from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 
-        fp8 = Float8Blocks(128) if system == "fp8" else None
+        fp8 = {"fp8": Float8Blocks(128), "mxfp8": MXFP8Blocks()}.get(system)
         policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, all_gather=fp8)
     for layer in model.layers:
         fully_shard(layer, mp_policy=policy)
@@ -90,6 +91,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
                 "step_s_median": median,
                 "step_ratio_fp8_vs_fsdp2": median["fp8"] / median["fsdp2"],
                 "step_ratio_fp8_vs_bf16": median["fp8"] / median["bf16"],
+                "all_gather_ratio_mxfp8_vs_fsdp2": gathered["mxfp8"] / gathered["fsdp2"],
+                "step_ratio_mxfp8_vs_fsdp2": median["mxfp8"] / median["fsdp2"],
+                "step_ratio_mxfp8_vs_fp8": median["mxfp8"] / median["fp8"],
                 "last_loss": losses,
             }
         )

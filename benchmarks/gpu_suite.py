@@ -319,6 +319,38 @@ class Suite:
         path = "scaled_mm" if self.device.type == "cuda" else "bf16 fallback"
         return f"{path}, relative error {err:.2e}"
 
+    def mxfp8_all_gather(self) -> str:
+        """``MXFP8Blocks()``: the gathered bf16 weights on this device equal the CPU's
+        dequantize(quantize(master)) bitwise (e8m0 exponents from ``frexp``, the e4m3 cast and
+        the decode tables agree across devices), and gradients reach the master."""
+        import raggedfsdp
+        from raggedfsdp.fsdp import MXFP8Blocks
+        from raggedfsdp.fsdp.mxfp8 import dequantize_mx, quantize_mx
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(512, 256), nn.GELU(), nn.Linear(256, 384))
+        with torch.no_grad():
+            model[0].weight[:2] = 0  # zero blocks
+            model[2].weight[0, :32] *= 2.0**-130  # blocks below e8m0's smallest scale
+        want = [
+            dequantize_mx(*quantize_mx(m.weight.detach()[None]), torch.bfloat16)[0]
+            for m in (model[0], model[2])
+        ]
+        model.to(self.device)
+        policy = raggedfsdp.MixedPrecisionPolicy(
+            torch.bfloat16, torch.float32, all_gather=MXFP8Blocks()
+        )
+        raggedfsdp.fully_shard(model, mp_policy=policy)
+        model.unshard()
+        for linear, expected in zip((model[0], model[2]), want, strict=True):
+            assert torch.equal(linear.weight.cpu(), expected), "gathered weights differ from CPU"
+        model.reshard()
+        x = torch.randn(64, 512, device=self.device, dtype=torch.bfloat16)
+        model(x).float().square().mean().backward()
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and g.local.isfinite().all() for g in grads), "bad gradients"
+        return "gathered weights bitwise the CPU's quantization"
+
     def fully_shard_meta_init(self) -> str:
         """FSDP2's meta-device flow on this device: wrap on meta, ``to_empty`` here, initialise
         in place (random fills draw on this device's generator, as one process would), train;
@@ -527,6 +559,7 @@ def main() -> int:
             suite.check("fully_shard_controls", suite.fully_shard_controls)
             suite.check("fully_shard_meta_init", suite.fully_shard_meta_init)
             suite.check("float8_all_gather", suite.float8_all_gather)
+            suite.check("mxfp8_all_gather", suite.mxfp8_all_gather)
         suite.measure("ceilings", suite.ceilings)
         if hasattr(suite, "peak_tflops"):
             for rows, cols in suite.sizes["ns"]:

@@ -13,6 +13,15 @@ master weights and reduction, AdamW, NCCL):
 * all-gather bytes per rank per step, ours and FSDP2's.
 
     python benchmarks/moe_plan_table.py [--models mixtral-8x7b ...] [--worlds 8 64 256 1024]
+
+With ``--budgets F ...`` it tables instead what the default policy's padding budget
+(``ExpertShardPolicy(max_extra_padding=F)``) buys, per model, expert layout (as listed, and
+fused) and W: the padding added beyond element units' (% of the parameters, every group
+counted as often as the model repeats it), the expert matrices that end up whole on one rank
+(from the planned layout; the table shows those cut between ranks) and the seconds the units
+search took (JSON lines):
+
+    python benchmarks/moe_plan_table.py --budgets 0 0.0001 0.001 0.01 --worlds 8 16 64 256
 """
 
 from __future__ import annotations
@@ -21,8 +30,11 @@ import argparse
 import dataclasses
 import json
 import re
+import time
 
 from raggedfsdp.capacity import Group, Mesh, ModelShapes, PlanError, Settings, estimate, load_model
+from raggedfsdp.sharding import TensorSpec, plan_layout
+from raggedfsdp.sharding.units import ExpertShardPolicy, expert_matrix
 
 MODELS = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "gpt-oss-120b")
 #: Bytes per sharded element between steps: fp32 master, fp32 gradient, 2 moments.
@@ -83,11 +95,83 @@ def row(model: str, world: int) -> dict:
     }
 
 
+def whole_matrices(layout, specs: list[TensorSpec]) -> tuple[int, int]:
+    """``(expert matrices whole on one rank, expert matrices)`` of a planned group."""
+    whole = total = 0
+    for t in specs:
+        matrix = expert_matrix(t.name, t.shape)
+        if matrix is None:
+            continue
+        experts, rows, row = matrix
+        size, start, seg = rows * row, layout.offsets[t.name], layout.segment_size
+        total += experts
+        whole += sum(
+            (a // seg) == ((a + size - 1) // seg)
+            for a in range(start, start + experts * size, size)
+        )
+    return whole, total
+
+
+def budget_row(shapes: ModelShapes, world: int, budget: float) -> dict:
+    """What ``ExpertShardPolicy(max_extra_padding=budget)`` gives ``shapes`` at ``world``."""
+    policy = ExpertShardPolicy(max_extra_padding=budget)
+    extra = whole = total = 0
+    elapsed = 0.0
+    for group in shapes.groups:
+        tensors = [(name, shape, "float32") for name, shape in group.tensors]
+        t0 = time.perf_counter()
+        units = policy.units_for_group(tensors, world)
+        elapsed += time.perf_counter() - t0
+        specs = [TensorSpec(n, s, "float32", units[n]) for n, s, _ in tensors]
+        layout = plan_layout(specs, world)
+        elements = plan_layout([dataclasses.replace(t, unit=1) for t in specs], world)
+        extra += group.repeat * (layout.padding - elements.padding)
+        w, t = whole_matrices(layout, specs)
+        whole, total = whole + group.repeat * w, total + group.repeat * t
+    return {
+        "model": shapes.name,
+        "world": world,
+        "budget": budget,
+        "extra_padding_pct": 100 * extra / shapes.numel,
+        "whole": whole,
+        "matrices": total,
+        "search_s": elapsed,
+    }
+
+
+def budget_table(models: list[str], worlds: list[int], budgets: list[float]) -> None:
+    """One line per model, expert layout and W; per budget, the expert matrices cut between
+    ranks and the padding added beyond element units'."""
+    head = " | ".join(f"{100 * b:g} %" for b in budgets)
+    print(f"| model | experts | W | expert matrices | {head} |")
+    print("|---|---|---:|---:|" + "---:|" * len(budgets))
+    for model in models:
+        listed = load_model(model)
+        fused = fused_model(model)
+        layouts = [("as listed", listed)]
+        if fused.groups != listed.groups:
+            layouts.append(("fused", fused))
+        for form, shapes in layouts:
+            for world in worlds:
+                rows = [budget_row(shapes, world, b) for b in budgets]
+                for r in rows:
+                    print(json.dumps(r | {"experts": form}), flush=True)
+                cells = " | ".join(
+                    f"{r['matrices'] - r['whole']:,} cut, +{r['extra_padding_pct']:.3f} %"
+                    for r in rows
+                )
+                print(f"| {model} | {form} | {world} | {rows[0]['matrices']:,} | {cells} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--worlds", nargs="+", type=int, default=[8, 64, 256, 1024])
+    parser.add_argument("--budgets", nargs="+", type=float, default=None)
     args = parser.parse_args()
+    if args.budgets is not None:
+        budget_table(args.models, args.worlds, args.budgets)
+        return
     print(
         "| model | W | ours: total / rank (GiB) | padding ours / FSDP2 (%) | persistent / rank "
         "ours / FSDP2 (GiB) | all-gather / rank / step ours / FSDP2 (GiB) |"

@@ -24,7 +24,7 @@ gradient reduction is timed: only the optimizer step). Variants, each timed betw
 the order rotating every round:
 
 * ``ours``: ``raggedfsdp.optim.Muon`` over RaggedTensor parameters, one planned flat buffer per
-  layer with ``Muon.shard_policy()`` ("auto": matrices whole where that adds no padding);
+  layer with ``Muon.shard_policy()`` ("auto": matrices whole within a 0.1 % padding budget);
 * ``ours_split``: the same optimizer on FSDP2's layout (every matrix split row-wise over all
   ranks), so every matrix travels to its owner and back: the communication path;
 * ``fsdp2``: (a) ``torch.distributed.fsdp.fully_shard`` + ``torch.optim.Muon`` on DTensors;

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from recipe_runs import train_recipe
 
 RESULTS = Path(__file__).parent / "results"
 LABELS = {
@@ -32,31 +31,6 @@ LABELS = {
     "shampoo": "Shampoo, Adam-grafted (lr 3e-3)",
     "soap": "SOAP (lr 3e-3)",
 }
-
-
-def run(optimizer: str, steps: int, run_dir: Path) -> list[dict]:
-    """Train one optimizer; its per-step records from the run's metrics.jsonl."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "recipes.llama.train",
-        "--steps",
-        str(steps),
-        "--optimizer",
-        optimizer,
-        "--run-dir",
-        str(run_dir),
-        "--wandb-mode",
-        "disabled",
-        "--progress",
-        "false",
-        "--checkpoint-every",
-        "0",
-    ]
-    subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).parent.parent)
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 def summary(records: list[dict]) -> dict[str, float]:
@@ -95,7 +69,8 @@ def main() -> None:
     curves = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.optimizers:
-            curves[name] = run(name, args.steps, Path(tmp) / name)
+            flags = ["--steps", str(args.steps), "--optimizer", name]
+            curves[name] = train_recipe(flags, Path(tmp) / name)
     RESULTS.mkdir(exist_ok=True)
     plot(curves, RESULTS / "optimizer_losses.png")
     rows = {name: summary(records) for name, records in curves.items()}

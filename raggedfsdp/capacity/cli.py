@@ -22,6 +22,7 @@ from raggedfsdp.capacity.model_shapes import PlanError
 from raggedfsdp.capacity.policies import OPTIMIZERS, UNIT_KINDS, OptimizerSpec, UnitPolicy
 from raggedfsdp.capacity.report import render
 from raggedfsdp.capacity.settings import BACKENDS, Mesh, Precision, Settings
+from raggedfsdp.sharding.units import DEFAULT_MAX_EXTRA_PADDING
 
 __all__ = ["build_parser", "console_main", "main"]
 
@@ -71,8 +72,28 @@ def _add_all_gather(parser: argparse.ArgumentParser) -> None:
         "--all-gather",
         choices=ALL_GATHER_KINDS,
         default="param",
-        help="what the all-gather moves: the param dtype, or fp8 (128x128 block-wise FP8 "
-        "weights with fp32 tile scales, 128-row units; Float8Blocks(128))",
+        help="what the all-gather moves: the param dtype, fp8 (128x128 block-wise FP8 "
+        "weights with fp32 tile scales, 128-row units; Float8Blocks(128)) or mxfp8 (1x32 "
+        "blocks with e8m0 scales, whole-row units; MXFP8Blocks())",
+    )
+
+
+def _add_whole_units(parser: argparse.ArgumentParser) -> None:
+    """Muon's ``whole_matrices`` and the padding budget it shares with the default unit."""
+    parser.add_argument(
+        "--whole-matrices",
+        choices=tuple(_WHOLE),
+        default="auto",
+        help="muon: keep its matrices whole on one rank always, never, or within "
+        "--max-extra-padding (auto, Muon.shard_policy()'s default)",
+    )
+    parser.add_argument(
+        "--max-extra-padding",
+        type=float,
+        default=DEFAULT_MAX_EXTRA_PADDING,
+        metavar="F",
+        help="padding whole experts (default unit) and Muon's auto matrices may add, as a "
+        "fraction of a group's elements (default 0.001; 0: none)",
     )
 
 
@@ -101,8 +122,8 @@ def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentPa
     parser.add_argument(
         "--unit",
         choices=UNIT_KINDS,
-        help="unit policy (default: elements, fully_shard's default: whole experts where they "
-        "add no padding; rows with --unit-rows)",
+        help="unit policy (default: elements, fully_shard's default: whole experts within "
+        "--max-extra-padding; rows with --unit-rows)",
     )
     parser.add_argument(
         "--unit-rows", type=_positive_int, help="rows per unit for 'rows' and 'expert' (default 1)"
@@ -123,13 +144,7 @@ def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentPa
     parser.add_argument(
         "--max-preconditioner-dim", type=_positive_int, default=1024, help="shampoo block size b"
     )
-    parser.add_argument(
-        "--whole-matrices",
-        choices=tuple(_WHOLE),
-        default="auto",
-        help="muon: keep its matrices whole on one rank always, never, or where that adds no "
-        "padding (auto, Muon.shard_policy()'s default)",
-    )
+    _add_whole_units(parser)
     parser.add_argument("--param-dtype", default="bf16", help="all-gather / compute dtype")
     _add_all_gather(parser)
     parser.add_argument("--master-dtype", default="fp32", help="sharded master weights")
@@ -162,13 +177,14 @@ def _settings(args: argparse.Namespace) -> Settings:
     mesh = Mesh.parse(args.mesh) if args.mesh is not None else Mesh(1, args.world_size)
     return Settings(
         mesh=mesh,
-        units=UnitPolicy(unit, args.unit_rows or 1),
+        units=UnitPolicy(unit, args.unit_rows or 1, args.max_extra_padding),
         optimizer=OptimizerSpec(
             args.optimizer,
             block_size=args.block_size,
             tile=args.tile,
             preconditioner_dim=args.max_preconditioner_dim,
             whole_matrices=_WHOLE[args.whole_matrices],
+            max_extra_padding=args.max_extra_padding,
         ),
         precision=Precision(args.param_dtype, args.master_dtype, args.reduce_dtype),
         reshard_after_forward=not args.no_reshard_after_forward,

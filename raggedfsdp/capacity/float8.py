@@ -1,47 +1,75 @@
-"""``--all-gather fp8``: the planner's view of the block-wise FP8 all-gather.
+"""``--all-gather fp8|mxfp8``: the planner's view of the block-wise FP8 all-gathers.
 
 It re-derives nothing: the units come from ``float8_block_policy`` combined with the group's
-policy (as ``fully_shard`` does with ``MixedPrecisionPolicy(all_gather=Float8Blocks(128))``) and
-the bytes per rank from ``Float8Payload``, the plan the runtime packs and gathers.
+policy (as ``fully_shard`` does with ``MixedPrecisionPolicy(all_gather=Float8Blocks(128))`` or
+``MXFP8Blocks()``) and the bytes per rank from ``Float8Payload``, the plan the runtime packs and
+gathers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from raggedfsdp.sharding.float8_payload import SCALE_BYTES, Float8Payload
+from raggedfsdp.sharding.float8_payload import Float8Payload
 from raggedfsdp.sharding.planner import Layout
 from raggedfsdp.sharding.units import ShardPolicy, combine, float8_block_policy, float8_tiles
 
-__all__ = ["ALL_GATHER_KINDS", "FP8_BLOCK", "float8_summary", "gather_policy", "payload"]
+__all__ = [
+    "ALL_GATHER_KINDS",
+    "FORMATS",
+    "FP8_BLOCK",
+    "GatherFormat",
+    "float8_summary",
+    "gather_policy",
+    "payload",
+]
 
-ALL_GATHER_KINDS = ("param", "fp8")
 FP8_BLOCK = 128  # DeepSeek-V3's tiles, what Float8Blocks() defaults to
+
+
+@dataclass(frozen=True)
+class GatherFormat:
+    """What one ``--all-gather`` kind sends per quantized weight: tiles and their scales."""
+
+    tile: tuple[int, int]  # (rows, cols) of one tile
+    scale_bytes: int  # bytes of one tile's scale
+    title: str  # the report's heading
+    scales: str  # the report's name for the scales
+
+
+FORMATS = {
+    "fp8": GatherFormat((FP8_BLOCK, FP8_BLOCK), 4, "FP8 all-gather (128x128 tiles)", "fp32 tile"),
+    "mxfp8": GatherFormat((1, 32), 1, "MXFP8 all-gather (1x32 blocks)", "e8m0 block"),
+}
+ALL_GATHER_KINDS = ("param", *FORMATS)
 
 
 def gather_policy(policy: ShardPolicy, all_gather: str) -> ShardPolicy:
     """The group's policy with every FP8 tile kept on one rank when the gather is FP8."""
-    return combine(policy, float8_block_policy(FP8_BLOCK)) if all_gather == "fp8" else policy
+    if all_gather not in FORMATS:
+        return policy
+    return combine(policy, float8_block_policy(FORMATS[all_gather].tile))
 
 
-def payload(layout: Layout, param_bytes: int) -> Float8Payload:
-    """The FP8 gather's payload plan of one group (tensors that cannot be tiled travel in the
-    ``param_bytes``-byte compute dtype)."""
-    tiles = {t.name: float8_tiles(t.name, t.shape, FP8_BLOCK) for t in layout.tensors}
-    return Float8Payload(
-        layout, {n: t for n, t in tiles.items() if t is not None}, FP8_BLOCK, param_bytes
-    )
+def payload(layout: Layout, param_bytes: int, kind: str = "fp8") -> Float8Payload:
+    """The ``kind`` gather's payload plan of one group (tensors that cannot be tiled travel in
+    the ``param_bytes``-byte compute dtype)."""
+    fmt = FORMATS[kind]
+    tiles = {t.name: float8_tiles(t.name, t.shape, fmt.tile) for t in layout.tensors}
+    eligible = {n: t for n, t in tiles.items() if t is not None}
+    return Float8Payload(layout, eligible, fmt.tile, param_bytes, scale_bytes=fmt.scale_bytes)
 
 
-def float8_summary(plans: Iterable[Any], param_bytes: int) -> dict[str, float]:
+def float8_summary(plans: Iterable[Any], param_bytes: int, kind: str = "fp8") -> dict[str, float]:
     """Bytes of one all-gather of every group (repeats counted), the FP8 payload split into
     codes, scales, tensors kept in the compute dtype and padding, beside the compute-dtype
     gather of the same layout; ``plans`` are ``GroupPlan``-like (``layout``, ``instances``)."""
     out = dict.fromkeys(("payload", "codes", "scales", "kept", "padding", "param_gather"), 0.0)
     for plan in plans:
-        fp8, n = payload(plan.layout, param_bytes), plan.instances
-        scales = sum(p.num_scales for pieces in fp8.pieces for p in pieces) * SCALE_BYTES
+        fp8, n = payload(plan.layout, param_bytes, kind), plan.instances
+        scales = sum(p.num_scales for pieces in fp8.pieces for p in pieces) * fp8.scale_bytes
         codes = fp8.quantized_numel
         out["payload"] += n * fp8.buffer_bytes
         out["codes"] += n * codes

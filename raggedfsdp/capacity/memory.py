@@ -110,7 +110,7 @@ class Estimate:
     muon: MuonBalance | None
     notes: list[str]
     elapsed_s: float
-    float8: dict[str, float] | None = None  # --all-gather fp8: one gather of every group
+    float8: dict[str, float] | None = None  # --all-gather fp8|mxfp8: one gather of every group
 
     def to_dict(self) -> dict[str, Any]:
         s, mesh = self.settings, self.settings.mesh
@@ -179,7 +179,7 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
     layout = plan_layout(specs, world, settings.alignment_bytes)
     held = per_rank(layout, [1.0] * len(specs))
     pb = settings.precision.bytes("param")
-    fp8 = settings.all_gather == "fp8"
+    fp8 = settings.all_gather != "param"
     return GroupPlan(
         group=group,
         instances=instances,
@@ -188,7 +188,11 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
         fsdp2_cut=sum(fsdp2_cuts_units(t.shape, world, t.unit) for t in specs),
         state=state_per_rank(layout, group.tensors, settings.optimizer, dtype),
         empty_ranks=int((held == 0).sum()),
-        gather_bytes=payload(layout, pb).segment_bytes if fp8 else layout.segment_size * pb,
+        gather_bytes=(
+            payload(layout, pb, settings.all_gather).segment_bytes
+            if fp8
+            else layout.segment_size * pb
+        ),
     )
 
 
@@ -230,8 +234,8 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
         notes=_notes(plans.values(), settings),
         elapsed_s=time.perf_counter() - t0,
         float8=(
-            float8_summary(plans.values(), settings.precision.bytes("param"))
-            if settings.all_gather == "fp8"
+            float8_summary(plans.values(), settings.precision.bytes("param"), settings.all_gather)
+            if settings.all_gather != "param"
             else None
         ),
     )
@@ -242,7 +246,7 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
     mb, pb, rb = prec.bytes("master"), prec.bytes("param"), prec.bytes("reduce")
     segments = sum(p.instances * p.segment for p in plans)
     state = sum(p.instances * p.state for p in plans) + counters
-    fp8 = settings.all_gather == "fp8"
+    fp8 = settings.all_gather != "param"
     # no persistent param-dtype copy: each gather casts (or quantizes) the master segment
     persistent = segments * mb + float(state.max())
 

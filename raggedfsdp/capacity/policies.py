@@ -19,11 +19,13 @@ from typing import Any
 
 from raggedfsdp.capacity.model_shapes import PlanError
 from raggedfsdp.sharding.units import (
-    DEFAULT_POLICY,
+    DEFAULT_MAX_EXTRA_PADDING,
+    ExpertShardPolicy,
     MuonShardPolicy,
     ShardPolicy,
     WholeMatrices,
     adamw8bit_policy,
+    check_max_extra_padding,
     combine,
     element_units,
     matrix_unit,
@@ -50,27 +52,38 @@ def _positive_int(key: str, value: Any) -> None:
         raise PlanError(f"{key}={value!r}: must be a positive integer")
 
 
+def _budget(value: Any) -> str:
+    """Check a ``max_extra_padding`` (the runtime's rule, as a ``PlanError``); its words."""
+    try:
+        check_max_extra_padding(value)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    return f"within a {100 * value:g} % padding budget"
+
+
 @dataclass(frozen=True)
 class UnitPolicy:
     """The user's unit: ``elements`` (``fully_shard``'s default: ZeRO-style element units, fused
-    experts whole where that adds no padding), ``rows`` (k rows,
+    experts whole within a padding budget, ``max_extra_padding``), ``rows`` (k rows,
     a row being a vector along the last dim), ``expert`` (whole expert matrices, k rows
     elsewhere) or ``matrix`` (whole matrices over the last two dims, so one slice of a stacked
     tensor; elements for vectors)."""
 
     kind: str = "elements"
     rows: int = 1
+    max_extra_padding: float = DEFAULT_MAX_EXTRA_PADDING
 
     def __post_init__(self) -> None:
         if self.kind not in UNIT_KINDS:
             raise PlanError(f"unit {self.kind!r}: choose one of {list(UNIT_KINDS)}")
         if not isinstance(self.rows, int) or isinstance(self.rows, bool) or self.rows < 1:
             raise PlanError(f"--unit-rows {self.rows!r}: must be a positive integer (1, 16, 128)")
+        _budget(self.max_extra_padding)
 
     def policy(self) -> ShardPolicy:
         """The shard policy a user would pass to ``fully_shard`` for this choice."""
         if self.kind == "elements":
-            return DEFAULT_POLICY
+            return ExpertShardPolicy(max_extra_padding=self.max_extra_padding)
         rows = row_units(self.rows)
         if self.kind == "rows":
             return rows
@@ -92,7 +105,7 @@ class UnitPolicy:
         rows = f"{self.rows} row{'s' if self.rows > 1 else ''}"
         return {
             "rows": rows,
-            "elements": "1 element, whole experts where free",
+            "elements": f"1 element, whole experts {_budget(self.max_extra_padding)}",
             "matrix": "whole matrices",
             "expert": f"whole experts, {rows} elsewhere",
         }[self.kind]
@@ -103,7 +116,8 @@ class OptimizerSpec:
     """An optimizer and the settings that decide its units and state: ``block_size``, ``tile``
     and ``min_8bit_size`` (``AdamW8bit``), ``preconditioner_dim`` (``Shampoo``'s
     ``max_preconditioner_dim``, SOAP's too; their other defaults, momentum 0 included), and
-    ``whole_matrices`` (``Muon``; its Newton–Schulz runs ``ns_steps`` iterations)."""
+    ``whole_matrices`` and ``max_extra_padding`` (``Muon``; its Newton–Schulz runs ``ns_steps``
+    iterations)."""
 
     name: str = "adamw"
     block_size: int = 256
@@ -112,6 +126,7 @@ class OptimizerSpec:
     preconditioner_dim: int = 1024
     whole_matrices: WholeMatrices = "auto"
     ns_steps: int = 5
+    max_extra_padding: float = DEFAULT_MAX_EXTRA_PADDING
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -125,6 +140,7 @@ class OptimizerSpec:
                 _positive_int("tile", value)
         if self.whole_matrices not in (True, False, "auto"):
             raise PlanError(f"whole_matrices={self.whole_matrices!r}: use True, False or 'auto'")
+        _budget(self.max_extra_padding)
 
     def shard_policy(self) -> ShardPolicy:
         """What ``<Optimizer>.shard_policy(...)`` returns for these settings."""
@@ -133,12 +149,13 @@ class OptimizerSpec:
         if self.name in ("shampoo", "soap"):
             return shampoo_policy(self.preconditioner_dim)
         if self.name == "muon":
-            return MuonShardPolicy(self.whole_matrices)
+            return MuonShardPolicy(self.whole_matrices, max_extra_padding=self.max_extra_padding)
         return element_units()
 
     def describe(self) -> str:
         tile = f"{self.tile[0]}x{self.tile[1]} tiles" if self.tile else f"block {self.block_size}"
-        whole = {True: "always", False: "never", "auto": "where free"}[self.whole_matrices]
+        auto = _budget(self.max_extra_padding)
+        whole = {True: "always", False: "never", "auto": auto}[self.whole_matrices]
         return {
             "adamw": "AdamW (2 moments like the master weights)",
             "adamw8bit": f"8-bit AdamW ({tile}, fp32 below {self.min_8bit_size} elements)",

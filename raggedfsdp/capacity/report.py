@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from raggedfsdp.capacity.float8 import FORMATS, GatherFormat
 from raggedfsdp.capacity.memory import Estimate
 from raggedfsdp.capacity.muon import MuonBalance
 
@@ -38,7 +39,7 @@ def render(est: Estimate, gpu_memory_gib: float | None = None) -> str:
     lines = [*_settings(est), "", *_memory(est, gpu_memory_gib), "", *_padding(est)]
     lines += ["", *_traffic(est)]
     if est.float8 is not None:
-        lines += ["", *_float8(est.float8)]
+        lines += ["", *_float8(est.float8, FORMATS[est.settings.all_gather])]
     if est.muon is not None:
         lines += ["", _muon(est.muon)]
     lines += ["", *_groups(est), "", "Notes"] + [f"  - {note}" for note in est.notes]
@@ -113,18 +114,17 @@ def _traffic(est: Estimate) -> list[str]:
     ]
 
 
-def _float8(f: dict[str, float]) -> list[str]:
+def _float8(f: dict[str, float], fmt: GatherFormat) -> list[str]:
     rows = [
         ["FP8 codes", format_bytes(f["codes"])],
-        ["fp32 tile scales", format_bytes(f["scales"])],
+        [f"{fmt.scales} scales", format_bytes(f["scales"])],
         ["tensors kept in the param dtype", format_bytes(f["kept"])],
         ["padding (ranks' segments are equal)", format_bytes(f["padding"])],
         ["FP8 payload", format_bytes(f["payload"])],
         ["param-dtype gather of the same layout", format_bytes(f["param_gather"])],
     ]
     return [
-        f"FP8 all-gather (128x128 tiles), one gather of every group: {f['ratio']:.4f}x the "
-        "param-dtype bytes",
+        f"{fmt.title}, one gather of every group: {f['ratio']:.4f}x the param-dtype bytes",
         *_table(["", "bytes"], rows)[1:],
     ]
 

@@ -99,7 +99,7 @@ class Settings:
     reshard_after_forward: bool = True
     backend: str = "nccl"
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES
-    all_gather: str = "param"  # "fp8": MixedPrecisionPolicy(all_gather=Float8Blocks(128))
+    all_gather: str = "param"  # "fp8": Float8Blocks(128), "mxfp8": MXFP8Blocks() all-gathers
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

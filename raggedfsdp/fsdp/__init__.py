@@ -12,12 +12,14 @@ from raggedfsdp.fsdp.clip import clip_grad_norm_
 from raggedfsdp.fsdp.float8 import Float8Blocks
 from raggedfsdp.fsdp.float8_linear import Float8BlockLinear, float8_block_linear
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
+from raggedfsdp.fsdp.mxfp8 import MXFP8Blocks
 from raggedfsdp.fsdp.traffic import all_gather_bytes
 
 __all__ = [
     "FSDPModule",
     "Float8BlockLinear",
     "Float8Blocks",
+    "MXFP8Blocks",
     "MixedPrecisionPolicy",
     "UnshardHandle",
     "all_gather_bytes",

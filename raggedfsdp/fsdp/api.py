@@ -267,8 +267,9 @@ def fully_shard(
             element units, which pad least (larger units that cover whole segments force the
             segment size to a multiple of their LCM), except that fused expert tensors
             (``(E, m, n)`` or under ``experts.``) keep each expert matrix, or ``k`` rows of it
-            when ``E < W``, whole on a rank wherever that adds no padding (the group's
-            ``notes`` say which). Pass an optimizer's policy, e.g.
+            when ``E < W``, whole on a rank wherever the group's padding stays within element
+            units' plus 0.1 % of its elements (``ExpertShardPolicy(max_extra_padding=...)``;
+            the group's ``notes`` say which). Pass an optimizer's policy, e.g.
             ``combine(DEFAULT_POLICY, AdamW8bit.shard_policy())``, so its blocks are never cut.
 
     Parameters must be initialised identically on every rank (same seed), or afterwards: on
@@ -279,6 +280,7 @@ def fully_shard(
     modules = _as_module_list(module)
     shard_mesh = resolve_mesh(mesh)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, shard_mesh)
+    _check_policies(mp_policy, shard_policy)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = _collect_params(modules)
     owner = " + ".join(type(m).__name__ for m in modules)
@@ -337,14 +339,40 @@ def _form_groups(
     return main, forward_only
 
 
+def _check_policies(mp_policy: Any, shard_policy: Any) -> None:
+    """Wrong types fail here, in one line naming the argument, not later as an attribute
+    error deep in planning (e.g. ``mp_policy=torch.bfloat16``)."""
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"fully_shard(mp_policy={mp_policy!r}): expected a MixedPrecisionPolicy or None, "
+            "e.g. MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+        )
+    if shard_policy is not None and not callable(shard_policy):
+        raise TypeError(
+            f"fully_shard(shard_policy={shard_policy!r}): expected a callable (fqn, param) -> "
+            "unit in elements or None, e.g. raggedfsdp.sharding.row_units(32) or an "
+            "optimizer's shard_policy()"
+        )
+
+
 def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
-    modules = [module] if isinstance(module, nn.Module) else list(module)
+    if isinstance(module, nn.Module):
+        modules = [module]
+    else:
+        modules = list(module) if isinstance(module, (list, tuple)) else []
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError(
             f"fully_shard(module=...) takes an nn.Module or a non-empty list of them, got "
             f"{type(module).__name__}"
         )
     for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # its forward never runs, so neither would the hooks that gather its parameters
+            raise ValueError(
+                f"fully_shard(module=...) got a {type(m).__name__}, a container without forward "
+                "whose hooks would never run (FSDP2 refuses it too); wrap each of its modules, "
+                "or pass list(container) to make them one group"
+            )
         if state_of(m) is not None:
             raise ValueError(
                 f"{type(m).__name__} is already wrapped by fully_shard; wrap each module once "
@@ -398,8 +426,9 @@ def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
             if owner is not None:  # set on both the original and the sharded parameter
                 raise ValueError(
                     f"parameter {fqn!r} is already sharded by the fully_shard call on {owner}: "
-                    "a parameter can be in one group only. "
-                    "Tied/shared weights must be wrapped by one call (e.g. the common parent)."
+                    "a parameter can be in one group only. Wrap submodules before their parent "
+                    "(blocks first, then the root); tied/shared weights must be wrapped by one "
+                    "call (e.g. the common parent)."
                 )
             if is_traceable_wrapper_subclass(param) or isinstance(param, RaggedTensor):
                 raise ValueError(

@@ -1,5 +1,9 @@
 """One group's block-wise FP8 all-gather: pack this rank's tiles, unpack every rank's.
 
+One design serves both formats (``Float8Blocks``: fp32 scales per 128x128 tile;
+``MXFP8Blocks``: e8m0 scales per 1x32 block): the policy gives the tile shape, the scale dtype
+and the math; the plan and the steps here only move tiles and scales.
+
 ``pack`` quantizes this rank's pieces of the eligible weights from the fp32 master segment
 straight into its segment of a byte payload (codes, then the tiles' scales) and casts the other
 tensors' pieces there in the compute dtype; the payload is all-gathered as one flat byte buffer
@@ -17,35 +21,39 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from raggedfsdp.fsdp.float8 import FP8_DTYPE, Float8Blocks, dequantize_tiles, quantize_tiles
+from raggedfsdp.fsdp.float8 import FP8_DTYPE, Float8Blocks
 from raggedfsdp.fsdp.float8_linear import Float8Weight
+from raggedfsdp.fsdp.mxfp8 import MXFP8Blocks
 from raggedfsdp.sharding import FlatBuffer, Layout
-from raggedfsdp.sharding.float8_payload import SCALE_BYTES, Float8Payload, PayloadPiece
+from raggedfsdp.sharding.float8_payload import Float8Payload, PayloadPiece
 from raggedfsdp.sharding.units import float8_tiles
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp.param_group import ManagedParam
 
-__all__ = ["Float8Gather", "float8_notes"]
+__all__ = ["Float8Format", "Float8Gather", "float8_notes"]
+
+#: What ``MixedPrecisionPolicy(all_gather=...)`` accepts.
+Float8Format = Float8Blocks | MXFP8Blocks
 
 
-def _eligible(layout: Layout, block: int) -> dict[str, tuple[int, int]]:
-    tiles = {t.name: float8_tiles(t.name, t.shape, block) for t in layout.tensors}
+def _eligible(layout: Layout, tile: tuple[int, int]) -> dict[str, tuple[int, int]]:
+    tiles = {t.name: float8_tiles(t.name, t.shape, tile) for t in layout.tensors}
     return {name: tile for name, tile in tiles.items() if tile is not None}
 
 
 def float8_notes(
-    layout: Layout, policy: Float8Blocks, dtype: torch.dtype, group: str
+    layout: Layout, policy: Float8Format, dtype: torch.dtype, group: str
 ) -> tuple[str, ...]:
     """The group's note on tensors that keep ``dtype`` in the gather; with ``strict`` an error
     naming the weights of 2+ dims among them (raised before anything is built)."""
-    tiled = _eligible(layout, policy.block)
+    tiled = _eligible(layout, policy.tile)
     kept = [t for t in layout.tensors if t.name not in tiled]
     weights = [f"{t.name} {t.shape}" for t in kept if len(t.shape) >= 2]
     if policy.strict and weights:
         raise ValueError(
-            f"fully_shard group {group!r}: Float8Blocks({policy.block}, strict=True) cannot tile "
-            f"{', '.join(weights)}: each matrix needs at least {policy.block} rows and columns; "
+            f"fully_shard group {group!r}: {policy!r} cannot tile "
+            f"{', '.join(weights)}: {policy.requirement}; "
             "use strict=False to keep them in the compute dtype, or wrap them separately"
         )
     if not kept:
@@ -57,11 +65,15 @@ def float8_notes(
 class Float8Gather:
     """The payload plan of one group and the pack/unpack steps around its all-gather."""
 
-    def __init__(self, layout: Layout, policy: Float8Blocks, dtype: torch.dtype) -> None:
-        self.block = policy.block
+    def __init__(self, layout: Layout, policy: Float8Format, dtype: torch.dtype) -> None:
+        self.policy = policy
         self.dtype = dtype
         self.plan = Float8Payload(
-            layout, _eligible(layout, policy.block), policy.block, dtype.itemsize
+            layout,
+            _eligible(layout, policy.tile),
+            policy.tile,
+            dtype.itemsize,
+            scale_bytes=policy.scale_dtype.itemsize,
         )
 
     def pack(self, master: FlatBuffer, rank: int) -> tuple[Tensor, Tensor]:
@@ -75,7 +87,7 @@ class Float8Gather:
             if piece.tiles is None:
                 self._raw(mine, piece).copy_(source)
                 continue
-            codes, scales = quantize_tiles(source.view(piece.tiles), self.block)
+            codes, scales = self.policy.quantize(source.view(piece.tiles))
             self._codes(mine, piece).copy_(codes)
             self._scales(mine, piece).copy_(scales)
         return full, mine
@@ -91,9 +103,10 @@ class Float8Gather:
         compute.zero_full_padding()
 
     def weights(self, full: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
-        """Every quantized tensor's whole codes ``(B, m, n)`` and scales ``(B, ceil(m/block),
-        ceil(n/block))`` from a gathered payload (copies: a tensor's pieces lie in several
-        ranks' segments), exactly what ``quantize_tiles`` gives for the whole master tensor."""
+        """Every quantized tensor's whole codes ``(B, m, n)`` and scales ``(B, ceil(m/tile
+        rows), ceil(n/tile cols))`` from a gathered payload (copies: a tensor's pieces lie in
+        several ranks' segments), exactly what the policy's ``quantize`` gives for the whole
+        master tensor."""
         seg, codes, scales = self.plan.segment_bytes, {}, {}
         for rank, pieces in enumerate(self.plan.pieces):
             chunk = full[rank * seg : (rank + 1) * seg]
@@ -105,7 +118,7 @@ class Float8Gather:
         for name, (matrix_rows, cols) in self.plan.tiles.items():
             numel = self.plan.layout.by_name[name].numel
             shape = (numel // (matrix_rows * cols), matrix_rows, cols)
-            grid = (shape[0], -(-matrix_rows // self.block), -(-cols // self.block))
+            grid = (shape[0], *self._grid(matrix_rows, cols))
             out[name] = (torch.cat(codes[name]).view(shape), torch.cat(scales[name]).view(grid))
         return out
 
@@ -132,14 +145,8 @@ class Float8Gather:
             if piece.tiles is None:
                 dest.copy_(self._raw(chunk, piece))
                 continue
-            codes = self._codes(chunk, piece)
-            dequantize_tiles(
-                codes,
-                self._scales(chunk, piece),
-                self.block,
-                self.dtype,
-                out=dest.view(piece.tiles),
-            )
+            codes, scales = self._codes(chunk, piece), self._scales(chunk, piece)
+            self.policy.dequantize(codes, scales, self.dtype, out=dest.view(piece.tiles))
 
     def _raw(self, chunk: Tensor, piece: PayloadPiece) -> Tensor:
         size = piece.numel * self.dtype.itemsize
@@ -151,7 +158,12 @@ class Float8Gather:
         return codes.view(piece.tiles)
 
     def _scales(self, chunk: Tensor, piece: PayloadPiece) -> Tensor:
-        start = piece.scale_offset
-        scales = chunk[start : start + piece.num_scales * SCALE_BYTES].view(torch.float32)
+        start, dtype = piece.scale_offset, self.policy.scale_dtype
+        scales = chunk[start : start + piece.num_scales * dtype.itemsize].view(dtype)
         matrices, rows, cols = piece.tiles
-        return scales.view(matrices, -(-rows // self.block), -(-cols // self.block))
+        return scales.view(matrices, *self._grid(rows, cols))
+
+    def _grid(self, rows: int, cols: int) -> tuple[int, int]:
+        """Tiles down and across a ``rows x cols`` matrix (partial edge tiles count)."""
+        tile_rows, tile_cols = self.policy.tile
+        return -(-rows // tile_rows), -(-cols // tile_cols)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from raggedfsdp.fsdp.float8 import Float8Blocks
+from raggedfsdp.fsdp.mxfp8 import MXFP8Blocks
 
 __all__ = ["MixedPrecisionPolicy"]
 
@@ -28,18 +29,31 @@ class MixedPrecisionPolicy:
             ``Float8Blocks(128)``: eligible weights as FP8 codes with one fp32 scale per
             128x128 tile, quantized from the fp32 master by the rank owning the tile and
             dequantized into ``param_dtype`` parameters after the gather (about half the bytes
-            of a bf16 gather); see ``raggedfsdp.fsdp.float8``.
+            of a bf16 gather); see ``raggedfsdp.fsdp.float8``. ``MXFP8Blocks()``: the same with
+            one power-of-two e8m0 scale per 1x32 block of a row (OCP MX), which needs whole-row
+            units only, so it pads no more at large world sizes; see ``raggedfsdp.fsdp.mxfp8``.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
-    all_gather: Float8Blocks | None = None
+    all_gather: Float8Blocks | MXFP8Blocks | None = None
 
     def __post_init__(self) -> None:
-        if self.all_gather is not None and not isinstance(self.all_gather, Float8Blocks):
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise TypeError(
+                    f"MixedPrecisionPolicy({field}={value!r}): expected a floating-point "
+                    "torch.dtype or None, e.g. torch.bfloat16"
+                )
+        if self.all_gather is not None and not isinstance(
+            self.all_gather, Float8Blocks | MXFP8Blocks
+        ):
             raise TypeError(
                 f"MixedPrecisionPolicy: all_gather={self.all_gather!r} must be None (gather in "
-                "param_dtype) or raggedfsdp.fsdp.Float8Blocks(128)"
+                "param_dtype), raggedfsdp.fsdp.Float8Blocks(128) or raggedfsdp.fsdp.MXFP8Blocks()"
             )

@@ -97,7 +97,7 @@ class ParamGroup:
                 )
         fp8 = mp_policy.all_gather
         if fp8 is not None:  # every FP8 tile whole on one rank, whatever else the policy wants
-            shard_policy = combine(shard_policy, float8_block_policy(fp8.block))
+            shard_policy = combine(shard_policy, float8_block_policy(fp8.tile))
         units = _units(shard_policy, params, self.orig_dtype, mesh.shard_size)
         specs = [
             TensorSpec(mp.fqn, tuple(mp.original.shape), self.orig_dtype, units[mp.fqn])
@@ -332,7 +332,10 @@ class ParamGroup:
     def _master_version(self) -> int:
         """Grows with every in-place write to the sharded parameters: through the parameters
         (an optimizer step; RaggedTensor's dispatch writes the local pieces below autograd, so
-        only the parameter's own version counter moves) or straight into the master segment."""
+        only the parameter's own version counter moves) or straight into the master segment,
+        which the local pieces and their detached aliases (a state dict's tensors, which DCP
+        loads into) view. Writes through ``p.data``, which torch hides from version counters on
+        purpose, are not seen."""
         return self.master.shard._version + sum(mp.sharded._version for mp in self.params)
 
     def wait_for_unshard(self) -> None:

@@ -163,7 +163,7 @@ class ShardedOptimizer(ShardedState, Optimizer):
     def _bucket(self, plain: Sequence[Piece], policy: ShardPolicy) -> None:
         """Move one group's drop-in parameters into flat buffers, one bucket per dtype and
         device, with units from this optimizer's policy: a group policy (e.g. Muon keeping
-        matrices whole where that adds no padding) decides for the whole bucket."""
+        matrices whole where the padding stays within budget) decides for the whole bucket."""
         kinds: dict[tuple[torch.dtype, torch.device], list[Piece]] = {}
         for pc in plain:
             kinds.setdefault((pc.param.dtype, pc.param.device), []).append(pc)
@@ -192,6 +192,11 @@ class ShardedOptimizer(ShardedState, Optimizer):
             raise ValueError(
                 f"parameter {name!r} is complex; raggedfsdp.optim works on real tensors: store it "
                 "as torch.view_as_real(...) and view it as complex in forward"
+            )
+        if mode != "single" and p.device.type == "meta":
+            raise ValueError(
+                f"parameter {name!r} is on the meta device, and the sharded modes allocate "
+                "state when the optimizer is built: build it after model.to_empty(device=...)"
             )
         if mode == "fsdp":
             local = p.local
@@ -240,6 +245,7 @@ class ShardedOptimizer(ShardedState, Optimizer):
         if self.skip_nonfinite_steps and not self._gradients_finite(has_grad):
             self.skipped_steps += 1  # nothing was updated: parameters and state stay as they were
             return loss
+        updated: list[Tensor] = []
         for group in self.param_groups:
             pieces = [self._pieces[p] for p in group["params"]]
             stepping = [pc for pc in pieces if has_grad[pc]]
@@ -249,6 +255,11 @@ class ShardedOptimizer(ShardedState, Optimizer):
             for step, members in self._lockstep(pieces, stepping):
                 self._update(group, members, step)
                 step += 1
+            updated += [pc.param for pc in stepping if pc.mode == "fsdp"]
+        # The updates wrote local pieces below autograd (or through pointers): bump the
+        # parameters' versions as torch's in-place updates do, so that fully_shard's kept
+        # unsharded copies are seen stale
+        torch.autograd.graph.increment_version(updated)
         for handle in [b.all_gather() for b in active]:
             handle.wait()
         return loss

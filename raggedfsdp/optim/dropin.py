@@ -11,7 +11,10 @@ copied around a collective.
 Because ``p.grad`` must stay a view of the buffer, ``zero_grad`` zeroes the buffer instead of
 dropping the gradients; whether a parameter *received* a gradient since the last
 ``zero_grad(set_to_none=True)`` is tracked with post-accumulate-grad hooks, so a parameter no rank
-computed a gradient for is skipped exactly as torch skips ``p.grad is None``. After ``step()``
+computed a gradient for is skipped exactly as torch skips ``p.grad is None``. A hook needs
+``requires_grad``: a frozen parameter keeps ``p.grad = None`` until it has a gradient, so one
+unfrozen later gets a fresh gradient from autograd (copied in at the next step, which hooks it)
+instead of one accumulated silently into its view. After ``step()``
 the buffer holds averaged values only in this rank's segment, so using those gradients again
 without ``zero_grad()`` (or new ones from ``model.zero_grad()`` + backward) is an error rather
 than a silently wrong update.
@@ -87,12 +90,10 @@ class DropInBucket:
                 check_grad(name, p, grad)
                 self.grads.full_view(name).copy_(grad)
             p.data = self.params.full_view(name)
-            p.grad = self.grads.full_view(name)
-        self._hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(_mark, self.has_grad, i))
-            for i, p in enumerate(self.plist)
-            if p.requires_grad
-        ]
+            if grad is not None or p.requires_grad:  # see _point_at_buffer
+                p.grad = self.grads.full_view(name)
+        self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        self._hook_trainable()
         #: The gradient buffer was reduce-scattered in place: only this rank's segment holds
         #: averaged values, so it must be zeroed (or every gradient replaced) before reuse.
         self.reduced = False
@@ -105,6 +106,22 @@ class DropInBucket:
         ):
             if group is not None and size > 1:
                 dist.broadcast(self.params.full, group=group, group_src=0)
+
+    def _hook_trainable(self) -> None:
+        """Hook the parameters that take gradients now and were not hooked yet (frozen at
+        construction, unfrozen since): from here on a gradient accumulated into the view
+        marks them."""
+        for i, p in enumerate(self.plist):
+            if p.requires_grad and i not in self._hooks:
+                mark = functools.partial(_mark, self.has_grad, i)
+                self._hooks[i] = p.register_post_accumulate_grad_hook(mark)
+
+    def _point_at_buffer(self, i: int, p: Tensor, view: Tensor) -> None:
+        """``p.grad`` becomes its zeroed view, except for an unhooked (frozen) parameter with
+        no gradient: it keeps ``None``, so a gradient after unfreezing arrives as a fresh
+        tensor that ``collect`` sees."""
+        if p.grad is not None or i in self._hooks:
+            p.grad = view
 
     # ----------------------------------------------------------------------------- per step
     def collect(self) -> list[bool]:
@@ -134,7 +151,7 @@ class DropInBucket:
                 )
             if grad is None:
                 gview.zero_()
-                p.grad = gview
+                self._point_at_buffer(i, p, gview)
                 self.has_grad[i] = False
             elif not is_view_of(gview, grad):
                 self._check_grad(name, p, grad)
@@ -142,6 +159,7 @@ class DropInBucket:
                 p.grad = gview
                 self.has_grad[i] = True
         self.reduced = False  # every region was zeroed or overwritten
+        self._hook_trainable()
         return list(self.has_grad)
 
     def reduce_scatter(self) -> CommHandle:
@@ -173,10 +191,13 @@ class DropInBucket:
         gradients, as setting them to None would in torch."""
         self.grads.full.zero_()
         self.reduced = False
+        self._hook_trainable()
         for i, (name, p) in enumerate(zip(self.names, self.plist, strict=True)):
             view = self.grads.full_view(name)
             if not is_view_of(view, p.grad):
                 self.has_grad[i] = p.grad is not None
-                p.grad = view
+                self._point_at_buffer(i, p, view)
             if set_to_none:
                 self.has_grad[i] = False
+                if i not in self._hooks:  # frozen: a gradient after unfreezing must be fresh
+                    p.grad = None

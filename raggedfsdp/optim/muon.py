@@ -46,7 +46,13 @@ from raggedfsdp.optim.owner_compute import ExchangePlan
 from raggedfsdp.optim.pieces import scalar_dtype, unwrap
 from raggedfsdp.sharding import resolve_units
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
-from raggedfsdp.sharding.units import MuonShardPolicy, WholeMatrices, is_muon_matrix
+from raggedfsdp.sharding.units import (
+    DEFAULT_MAX_EXTRA_PADDING,
+    MuonShardPolicy,
+    WholeMatrices,
+    check_max_extra_padding,
+    is_muon_matrix,
+)
 
 __all__ = [
     "Muon",
@@ -232,6 +238,8 @@ class Muon(ShardedOptimizer):
             chain (default; matrices with a side of at most ``BATCH_MIN_SIDE`` and float64 NS
             excepted, see ``BATCHED_DTYPES``); False runs one chain per matrix.
         whole_matrices: the drop-in buffers' units (see ``MuonShardPolicy``).
+        max_extra_padding: the padding "auto" may add for whole matrices, a fraction of each
+            bucket's elements (see ``MuonShardPolicy``; 0: never more than element units).
         mesh: ranks for the drop-in mode.
 
     After each ``step()``, ``last_step_stats`` holds this rank's ``bytes_sent`` /
@@ -269,9 +277,11 @@ class Muon(ShardedOptimizer):
         ns_dtype: torch.dtype = torch.bfloat16,
         batched_ns: bool = True,
         whole_matrices: WholeMatrices = "auto",
+        max_extra_padding: float = DEFAULT_MAX_EXTRA_PADDING,
         mesh: MeshLike = None,
     ) -> None:
         check_muon_args(lr, momentum, weight_decay, adjust_lr_fn, ns_steps, ns_coefficients)
+        check_max_extra_padding(max_extra_padding)
         check_betas(adamw_betas, "adamw_betas")
         if not adamw_eps >= 0.0:
             raise ValueError(f"Invalid epsilon value: {adamw_eps} (adamw_eps)")
@@ -292,6 +302,7 @@ class Muon(ShardedOptimizer):
         self.ns_dtype = ns_dtype
         self.batched_ns = batched_ns
         self.whole_matrices = whole_matrices
+        self.max_extra_padding = max_extra_padding
         self._adamw_early: set[int] = set()  # AdamW groups (ids) stepped during an exchange
         self._adamw_started: set[int] = set()  # and those the runtime stepped in its turn
         self._has_grad: dict[Piece, bool] = {}
@@ -309,7 +320,11 @@ class Muon(ShardedOptimizer):
 
     def _policy(self) -> Callable[[str, Any], int]:
         """Units planned per parameter group (the drop-in buffers are planned per group)."""
-        policy = self.shard_policy(self.whole_matrices, is_muon=lambda n, s: True)
+        policy = self.shard_policy(
+            self.whole_matrices,
+            is_muon=lambda n, s: True,
+            max_extra_padding=self.max_extra_padding,
+        )
         units: dict[str, int] = {}
         for gi, group in enumerate(self.param_groups):
             if group.get("use_muon", True):

@@ -112,6 +112,9 @@ class ShardedState(OptimizerHooks):
             for old, p in zip(sg["params"], g["params"], strict=True)
         }
         saved_state = state_dict["state"]
+        for old, p in index.items():  # every check first: a refused load changes nothing
+            if saved_state.get(old) is not None:
+                self._check_state(self._pieces[p], saved_state[old])
         values: dict[Tensor, float] = {}
         for old, p in index.items():
             saved = saved_state.get(old)
@@ -166,8 +169,16 @@ class ShardedState(OptimizerHooks):
                 unwrap(t).zero_()
         state["step"] = self._new_step(self.param_groups[piece.group_index], p.device)
 
-    def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
-        state = self.state[piece.param]
+    def _check_state(self, piece: Piece, saved: dict[str, Any]) -> None:
+        """Refuse a saved entry that ``_copy_state`` could not load into ``piece``'s state
+        (allocated, or as it would be: shape-only tensors on the meta device)."""
+        state = self.state.get(piece.param)
+        if state is None:
+            group = self.param_groups[piece.group_index]
+            state = {"step": torch.empty(())}
+            for key, spec in self._state_specs(piece, group).items():
+                shape = spec.shape if spec.shape is not None else piece.param.shape
+                state[key] = torch.empty(shape, dtype=spec.dtype, device="meta")
         if set(saved) != set(state):
             raise ValueError(
                 f"parameter {piece.name!r}: the loaded state has keys {sorted(saved)} but "
@@ -175,6 +186,12 @@ class ShardedState(OptimizerHooks):
                 "optimizer, or other settings such as amsgrad / block size?)"
             )
         for key, dst in state.items():
+            if key != "step":
+                _copy_into(f"{piece.name!r} state {key!r}", dst, saved[key], check_only=True)
+
+    def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
+        """Copy a saved entry that ``_check_state`` accepted into ``piece``'s state."""
+        for key, dst in self.state[piece.param].items():
             if key != "step":
                 _copy_into(f"{piece.name!r} state {key!r}", dst, saved[key])
 
@@ -212,8 +229,9 @@ def _packed_state(
     return packed
 
 
-def _copy_into(what: str, dst: Tensor, src: Any) -> None:
-    """Copy a loaded value into a state tensor: same split, or a full tensor to slice."""
+def _copy_into(what: str, dst: Tensor, src: Any, check_only: bool = False) -> None:
+    """Copy a loaded value into a state tensor: same split, or a full tensor to slice.
+    ``check_only``: raise what the copy would, copy nothing."""
     if not isinstance(src, Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(src).__name__}")
     if not dst.is_floating_point() and src.dtype != dst.dtype:
@@ -222,7 +240,8 @@ def _copy_into(what: str, dst: Tensor, src: Any) -> None:
         raise ValueError(f"{what}: shape {tuple(src.shape)} where {tuple(dst.shape)} is kept")
     if isinstance(src, RaggedTensor):
         if not isinstance(dst, RaggedTensor) and src.ragged_shard.world_size == 1:
-            dst.copy_(src.local.view(dst.shape))
+            if not check_only:
+                dst.copy_(src.local.view(dst.shape))
             return
         if not isinstance(dst, RaggedTensor) or src.ragged_shard != dst.ragged_shard:
             raise ValueError(
@@ -230,8 +249,12 @@ def _copy_into(what: str, dst: Tensor, src: Any) -> None:
                 "load resharded checkpoints with torch.distributed.checkpoint (DCP), or pass "
                 "full tensors"
             )
+        if check_only:
+            return
         if src.local.data_ptr() != dst.local.data_ptr() or not src.local.numel():
             dst.local.copy_(src.local)
+        return
+    if check_only:
         return
     if isinstance(dst, RaggedTensor):
         start, stop = dst.local_range

@@ -1,11 +1,12 @@
 """The byte payload of a block-wise FP8 all-gather: what each rank sends, where, in how many bytes.
 
-With ``Float8Blocks`` the group's all-gather moves bytes instead of ``param_dtype`` elements.
-Each rank's segment of the payload holds, for every piece of a tensor the rank owns (in the
-order of its segment of the planned layout):
+With ``Float8Blocks`` or ``MXFP8Blocks`` the group's all-gather moves bytes instead of
+``param_dtype`` elements. Each rank's segment of the payload holds, for every piece of a tensor
+the rank owns (in the order of its segment of the planned layout):
 
-* an eligible weight's piece (whole ``block x block`` tile rows, thanks to the units of
-  ``float8_block_policy``): one FP8 code byte per element, then one fp32 scale per tile;
+* an eligible weight's piece (whole tile rows, thanks to the units of ``float8_block_policy``):
+  one FP8 code byte per element, then one scale per tile (``scale_bytes`` each: an fp32 scale
+  per 128x128 tile, or an e8m0 byte per MXFP8 1x32 block);
 * any other tensor's piece: its elements in the compute dtype, as the plain gather sends them.
 
 Padding between tensors is not sent. Every region starts at a multiple of ``alignment`` bytes,
@@ -24,10 +25,11 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, Layout
+from raggedfsdp.sharding.units import Float8Tile
 
 __all__ = ["SCALE_BYTES", "Float8Payload", "PayloadPiece"]
 
-#: Bytes of one tile's scale (fp32).
+#: Bytes of one 128x128 tile's scale (fp32); an MXFP8 block's e8m0 scale is one byte.
 SCALE_BYTES = 4
 
 
@@ -42,7 +44,7 @@ class PayloadPiece:
     ``tensor_offset``/``numel`` locate it in the tensor (flat, row-major); ``data_offset`` is its
     first byte in the rank's payload segment. For a quantized piece (``tiles`` not None) the
     data are ``numel`` FP8 codes of a ``(matrices, rows, cols)`` block and ``scale_offset`` the
-    first byte of its ``matrices x tile rows x tile cols`` fp32 scales; otherwise the data are
+    first byte of its ``matrices x tile rows x tile cols`` scales; otherwise the data are
     ``numel`` elements in the compute dtype.
     """
 
@@ -62,39 +64,42 @@ class Float8Payload:
         layout: the group's plan (its units must keep tiles whole: checked here).
         tiles: ``name -> (matrix rows, row length)`` for the quantized tensors
             (``float8_tiles``); the others travel in the compute dtype.
-        block: tile side.
+        block: a square tile's side, or ``(rows, cols)`` of a tile (``(1, 32)``: MXFP8).
         raw_itemsize: bytes per element of the compute dtype.
         alignment: byte alignment of every region and of the segment size.
+        scale_bytes: bytes of one tile's scale (4: fp32; 1: e8m0).
     """
 
     def __init__(
         self,
         layout: Layout,
         tiles: Mapping[str, tuple[int, int]],
-        block: int,
+        block: Float8Tile,
         raw_itemsize: int,
         alignment: int = DEFAULT_ALIGNMENT_BYTES,
+        scale_bytes: int = SCALE_BYTES,
     ) -> None:
         self.layout = layout
         self.tiles = dict(tiles)
-        self.block = block
+        self.tile = (block, block) if isinstance(block, int) else tuple(block)
         self.raw_itemsize = raw_itemsize
         self.alignment = alignment
+        self.scale_bytes = scale_bytes
         for name in self.tiles:
             unit, band = layout.by_name[name].unit, self._band_rows(name) * self.tiles[name][1]
             if unit % band:
                 raise ValueError(
                     f"tensor {name!r} has unit {unit} elements, which cuts its "
-                    f"{block}x{block} FP8 tiles (need a multiple of {band}); combine the shard "
-                    "policy with float8_block_policy(block)"
+                    f"{self.tile[0]}x{self.tile[1]} FP8 tiles (need a multiple of {band}); "
+                    "combine the shard policy with float8_block_policy(block)"
                 )
 
     def _band_rows(self, name: str) -> int:
-        """Rows a piece starts at multiples of: ``block`` in a tensor that is one tile matrix,
-        a whole matrix where tiles restart at each (unaligned experts)."""
+        """Rows a piece starts at multiples of: a tile's rows in a tensor that is one tile
+        matrix, a whole matrix where tiles restart at each (unaligned experts)."""
         matrix_rows, cols = self.tiles[name]
         whole = self.layout.by_name[name].numel // cols
-        return self.block if matrix_rows == whole else matrix_rows
+        return self.tile[0] if matrix_rows == whole else matrix_rows
 
     @cached_property
     def pieces(self) -> tuple[tuple[PayloadPiece, ...], ...]:
@@ -119,14 +124,15 @@ class Float8Payload:
                 continue
             matrix_rows, cols = self.tiles[name]
             rows = numel // cols
-            if self._band_rows(name) == self.block:  # a band of one matrix's tile rows
+            if matrix_rows == self.layout.by_name[name].numel // cols:  # a band of tile rows
                 shape = (1, rows, cols)
             else:  # whole matrices
                 shape = (rows // matrix_rows, matrix_rows, cols)
-            scales = shape[0] * math.ceil(shape[1] / self.block) * math.ceil(cols / self.block)
+            tile_rows, tile_cols = self.tile
+            scales = shape[0] * math.ceil(shape[1] / tile_rows) * math.ceil(cols / tile_cols)
             scale_offset = _align(cursor + numel, a)
             placed.append(PayloadPiece(name, offset, numel, cursor, shape, scale_offset, scales))
-            cursor = _align(scale_offset + scales * SCALE_BYTES, a)
+            cursor = _align(scale_offset + scales * self.scale_bytes, a)
         return tuple(placed)
 
     def rank_bytes(self, rank: int) -> int:
@@ -136,7 +142,7 @@ class Float8Payload:
             return 0
         last = pieces[-1]
         end = (
-            last.scale_offset + last.num_scales * SCALE_BYTES
+            last.scale_offset + last.num_scales * self.scale_bytes
             if last.tiles
             else last.data_offset + last.numel * self.raw_itemsize
         )

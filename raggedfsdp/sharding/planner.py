@@ -43,6 +43,7 @@ __all__ = [
     "Layout",
     "TensorSpec",
     "dtype_itemsize",
+    "fits_within",
     "plan_layout",
     "plan_layout_exact",
 ]
@@ -304,6 +305,11 @@ def _earliest_start(cursor: int, numel: int, unit: int, step: int, seg: int, ali
     return -1
 
 
+#: Consecutive tensors of one ``(numel, unit, step)`` in a packing order: the kind and their
+#: indices.
+_Run = tuple[tuple[int, int, int], list[int]]
+
+
 class _Packer:
     """Greedy first-fit packing of tensors (in a given order) for one candidate S."""
 
@@ -311,24 +317,52 @@ class _Packer:
         self.sizes = sizes  # (numel, unit, lcm(unit, align)) per tensor, in input order
         self.align = align
 
-    def pack(self, order: Sequence[int], seg: int, *, world: int) -> list[int] | None:
-        """Offsets per tensor (input order) if all fit in ``world * seg`` elements, else None."""
+    def runs(self, order: Sequence[int]) -> list[_Run]:
+        """``order`` cut into runs of consecutive tensors of one size and unit (the experts of a
+        MoE layer), so ``pack`` can place a run of element-unit tensors at once."""
+        runs: list[_Run] = []
+        for i in order:
+            if runs and runs[-1][0] == self.sizes[i]:
+                runs[-1][1].append(i)
+            else:
+                runs.append((self.sizes[i], [i]))
+        return runs
+
+    def pack(self, runs: Sequence[_Run], seg: int, *, world: int) -> list[int] | None:
+        """Offsets per tensor (input order) if all fit in ``world * seg`` elements, else None.
+
+        ``runs`` is an order as ``runs()`` cuts it. A tensor whose unit divides the alignment
+        starts at the aligned cursor and opens no hole, so once such a run's tensors are too
+        large for every hole, the rest of the run goes back to back in one step: the same
+        offsets as placing them one by one, without a Python step per expert.
+        """
+        align = self.align
         limit = world * seg
         offsets = [0] * len(self.sizes)
-        holes = _Holes(self.align)
+        holes = _Holes(align)
         cursor = 0
-        for i in order:
-            numel, unit, step = self.sizes[i]
-            start = holes.fill(numel, unit, step, seg)
-            if start >= 0:
+        for (numel, unit, step), members in runs:
+            free = align % unit == 0 and seg % align == 0
+            for j, i in enumerate(members):
+                if free and numel > holes.widest:
+                    first, stride = _align_up(cursor, align), _align_up(numel, align)
+                    last = first + (len(members) - j - 1) * stride
+                    if last + numel > limit:
+                        return None
+                    for k, rest in enumerate(members[j:]):
+                        offsets[rest] = first + k * stride
+                    cursor = last + numel
+                    break
+                start = holes.fill(numel, unit, step, seg)
+                if start >= 0:
+                    offsets[i] = start
+                    continue
+                start = _earliest_start(cursor, numel, unit, step, seg, align)
+                if start < 0 or start + numel > limit:
+                    return None
+                holes.add(cursor, start)
                 offsets[i] = start
-                continue
-            start = _earliest_start(cursor, numel, unit, step, seg, self.align)
-            if start < 0 or start + numel > limit:
-                return None
-            holes.add(cursor, start)
-            offsets[i] = start
-            cursor = start + numel
+                cursor = start + numel
         return offsets
 
     def pack_min_waste(self, seg: int, *, world: int) -> list[int] | None:
@@ -390,7 +424,8 @@ class _Holes:
             start = _earliest_start(lo, numel, unit, step, seg, self.align)
             if start >= 0 and start + numel <= hi:
                 self.spans[h : h + 1] = [(lo, start), (_align_up(start + numel, self.align), hi)]
-                self.widest = max((b - a for a, b in self.spans), default=0)
+                if hi - lo == self.widest:  # only the widest hole shrinking changes it
+                    self.widest = max((b - a for a, b in self.spans), default=0)
                 return start
         return -1
 
@@ -508,7 +543,10 @@ def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[i
         "by unit": sorted(range(len(sizes)), key=lambda i: (-sizes[i][1], -sizes[i][0])),
         "by size": sorted(range(len(sizes)), key=lambda i: -sizes[i][0]),
     }
-    found = {name: partial(packer.pack, order, world=world) for name, order in orders.items()}
+    found = {
+        name: partial(packer.pack, packer.runs(order), world=world)
+        for name, order in orders.items()
+    }
     found["least waste"] = partial(packer.pack_min_waste, world=world)
     if len(sizes) <= _SMALL_GROUP:
         n = len(sizes)
@@ -518,7 +556,7 @@ def _strategies(packer: _Packer, world: int) -> dict[str, Callable[[int], list[i
             rng = random.Random(0)
             extra = (rng.sample(range(n), n) for _ in range(_EXTRA_ORDERS))
         for i, order in enumerate(extra):
-            found[f"order {i}"] = partial(packer.pack, list(order), world=world)
+            found[f"order {i}"] = partial(packer.pack, packer.runs(order), world=world)
     return found
 
 
@@ -544,31 +582,81 @@ def plan_layout(
     t0 = time.perf_counter()
     align = _validate(tensors, world_size, alignment_bytes)
     sizes = [(t.numel, t.unit, math.lcm(t.unit, align)) for t in tensors]
-    packer = _Packer(sizes, align)
     lower = _lower_bound(sizes, world_size, align)
+    strategies = _strategies(_Packer(sizes, align), world_size)
+    seg, offsets, strategy = _best_packing(sizes, align, strategies, lower)
+    return _make_layout(tensors, world_size, align, seg, offsets, lower, strategy, t0)
+
+
+def _best_packing(
+    sizes: Sequence[tuple[int, int, int]],
+    align: int,
+    strategies: Mapping[str, Callable[[int], list[int] | None]],
+    lower: int,
+) -> tuple[int, list[int], str]:
+    """``(S, offsets, strategy)``: each strategy searched below the best S so far, then the
+    sweep. Every successful packing met here is at or above the S returned."""
     hi = max(lower, sum(_align_up(n, align) for n, _, _ in sizes))  # all on rank 0 fits
-    strategies = _strategies(packer, world_size)
     best: tuple[int, list[int], str] | None = None
     for name, pack in strategies.items():
         found = _search(sizes, align, pack, lower, hi)
         if found is not None:
             best, hi = (*found, name), found[0] - align
     assert best is not None, "packing everything on rank 0 is always feasible"
-    best = _sweep_down(sizes, align, strategies, lower, best)
-    seg, offsets, strategy = best
-    return _make_layout(tensors, world_size, align, seg, offsets, lower, strategy, t0)
+    return _sweep_down(sizes, align, strategies, lower, best)
+
+
+class _Fits(Exception):
+    """A packing at or below the segment size asked about succeeded (``fits_within``)."""
+
+
+def fits_within(
+    tensors: Sequence[TensorSpec],
+    world_size: int,
+    max_padding: int,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> bool:
+    """Whether ``plan_layout(tensors, ...)`` pads at most ``max_padding`` elements: exactly its
+    answer, found with less work.
+
+    ``plan_layout`` only ever lowers S after a successful packing, so the first packing it
+    tries that succeeds at an S small enough proves the answer (the search stops there), and a
+    lower bound above that S refutes it before any packing. Searches that ask "does this fit
+    the budget?" many times (``coarsen_units``) call this instead of planning in full.
+    """
+    align = _validate(tensors, world_size, alignment_bytes)
+    sizes = [(t.numel, t.unit, math.lcm(t.unit, align)) for t in tensors]
+    largest = (max_padding + sum(n for n, _, _ in sizes)) // world_size
+    lower = _lower_bound(sizes, world_size, align)
+    if lower > largest:
+        return False
+
+    def proving(pack: Callable[[int], list[int] | None], seg: int) -> list[int] | None:
+        offsets = pack(seg)
+        if offsets is not None and seg <= largest:
+            raise _Fits
+        return offsets
+
+    strategies = _strategies(_Packer(sizes, align), world_size)
+    try:
+        _best_packing(sizes, align, {k: partial(proving, p) for k, p in strategies.items()}, lower)
+    except _Fits:
+        return True
+    return False
 
 
 def _sweep_down(sizes, align: int, strategies, lower: int, best):
     """Try every strategy at the legal S just below the best one, within a budget: the searches
     assume feasibility is monotone in S, which it is not quite."""
     budget = _SWEEP_BUDGET // (len(strategies) * max(len(sizes), 1))
+    if not budget:
+        return best
     below = [
         seg
         for a, b, (required, *_) in _intervals(sizes, lower, best[0] - align, align)
         for seg in range(_align_up(a, required), b + 1, required)
     ]
-    for seg in below[len(below) - budget :] if budget else []:
+    for seg in below[len(below) - budget :]:
         for name, pack in strategies.items():
             offsets = pack(seg)
             if offsets is not None:

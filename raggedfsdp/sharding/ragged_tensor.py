@@ -422,6 +422,13 @@ def _same_spec_unary(func, args, kwargs):
     return _sibling(func(src._local, *args[1:], **kwargs), src)
 
 
+def _detach(func, args, kwargs):
+    """A detached RaggedTensor wraps the same local tensor: writes through it (a DCP load into
+    ``model.state_dict()``, whose tensors are detached) move the piece's version counter, which
+    ``fully_shard`` checks before trusting kept unsharded parameters."""
+    return _sibling(args[0]._local, args[0])
+
+
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, RaggedTensor):
@@ -708,7 +715,7 @@ _FUSED_OPTIMIZER_OPS = frozenset(
 )
 
 _SPECIAL = {
-    aten.detach.default: _same_spec_unary,
+    aten.detach.default: _detach,
     aten.alias.default: _same_spec_unary,
     aten.clone.default: lambda f, a, k: _same_spec_unary(
         f, a, {x: v for x, v in k.items() if x != "memory_format"}

@@ -9,8 +9,9 @@ wherever a layout is planned, and the planner predicts the layout the runtime bu
 
     fully_shard(block, shard_policy=combine(row_units(32), AdamW8bit.shard_policy()))
 
-Some policies can only decide for a whole group at once (Muon keeps a matrix whole where that
-adds no padding, which depends on the other tensors): they implement :class:`GroupShardPolicy`.
+Some policies can only decide for a whole group at once (Muon keeps a matrix whole where the
+group's padding stays within a budget, which depends on the other tensors): they implement
+:class:`GroupShardPolicy`.
 
 This module is pure Python (the planner runs without torch); the optimizers' ``shard_policy``
 classmethods return the policies built here.
@@ -25,10 +26,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, TensorSpec, plan_layout
+from raggedfsdp.sharding.planner import (
+    DEFAULT_ALIGNMENT_BYTES,
+    TensorSpec,
+    fits_within,
+    plan_layout,
+)
 from raggedfsdp.sharding.ragged_shard import row_numel
 
 __all__ = [
+    "DEFAULT_MAX_EXTRA_PADDING",
     "DEFAULT_POLICY",
     "NON_MUON_MODULES",
     "ExpertShardPolicy",
@@ -38,6 +45,7 @@ __all__ = [
     "TensorMeta",
     "WholeMatrices",
     "adamw8bit_policy",
+    "check_max_extra_padding",
     "check_preconditioner_dim",
     "coarsen_units",
     "combine",
@@ -203,15 +211,39 @@ class _Combined(GroupShardPolicy):
 #: trial, so a bound keeps planning a model with hundreds of tensors per group fast.
 MAX_COARSEN_TRIALS = 32
 
+#: Padding that coarser units (whole experts, whole Muon matrices) may add to a group, as a
+#: fraction of the group's elements, beyond element units' padding. 0.1 % keeps every expert
+#: whole where the planner finds a near-even layout for them (DeepSeek-V3 at W = 8 pays
+#: 0.016 %; see BENCHMARKS.md) and costs at most 0.1 % of memory and all-gather bytes.
+DEFAULT_MAX_EXTRA_PADDING = 0.001
+
+
+def check_max_extra_padding(value: Any) -> None:
+    """``max_extra_padding`` is a fraction in [0, 1] (it sizes every group's padding budget)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not 0.0 <= value <= 1.0  # also refuses NaN
+    ):
+        raise ValueError(
+            f"max_extra_padding={value!r}: give the padding whole units may add as a fraction "
+            "of the group's elements, a number in [0, 1] (0.001 = 0.1 %; 0 = never more padding "
+            "than element units)"
+        )
+
 
 def planned_padding(
     tensors: Sequence[TensorEntry], units: Mapping[str, int], world_size: int, alignment_bytes: int
 ) -> int:
     """Padding elements of the group's planned layout with these units."""
-    dtype = str(tensors[0][2]).removeprefix("torch.") if tensors else "float32"
-    specs = [TensorSpec(name, tuple(shape), dtype, units[name]) for name, shape, _ in tensors]
-    layout = plan_layout(specs, world_size, alignment_bytes)
+    layout = plan_layout(_specs(tensors, units), world_size, alignment_bytes)
     return layout.buffer_numel - layout.numel
+
+
+def _specs(tensors: Sequence[TensorEntry], units: Mapping[str, int]) -> list[TensorSpec]:
+    """The group as the planner takes it (one dtype: the first tensor's)."""
+    dtype = str(tensors[0][2]).removeprefix("torch.") if tensors else "float32"
+    return [TensorSpec(name, tuple(shape), dtype, units[name]) for name, shape, _ in tensors]
 
 
 def coarsen_units(
@@ -219,28 +251,37 @@ def coarsen_units(
     world_size: int,
     options: Mapping[str, Sequence[int]],
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    max_extra_padding: float = DEFAULT_MAX_EXTRA_PADDING,
 ) -> dict[str, int]:
-    """Units as coarse as the group's padding allows: the search Muon's "auto" and the default
-    policy's experts share.
+    """Units as coarse as the group's padding budget allows: the search Muon's "auto" and the
+    default policy's experts share.
 
-    ``options[name]`` lists a tensor's acceptable coarser units, preferred first. Starting
-    from element units (whose planned padding is the budget), every tensor gets its first
-    option at once if that fits; otherwise tensors are tried one by one, largest first (the
-    ``MAX_COARSEN_TRIALS`` largest), each keeping the first option under which the padding
-    stays within the budget. So the result never pads more than element units do.
+    ``options[name]`` lists a tensor's acceptable coarser units, preferred first. The budget is
+    element units' planned padding plus ``max_extra_padding`` times the group's elements.
+    Every tensor gets its first option at once if the planned padding fits the budget;
+    otherwise tensors are tried one by one, largest first (the ``MAX_COARSEN_TRIALS`` largest),
+    each keeping the first option under which it still fits. So the group's planned padding
+    exceeds element units' by at most ``max_extra_padding`` of its elements (0: never).
     """
+    check_max_extra_padding(max_extra_padding)
     units = {name: 1 for name, _, _ in tensors}
     if not options:
         return units
+    numel = sum(math.prod(shape) for _, shape, _ in tensors)
     budget = planned_padding(tensors, units, world_size, alignment_bytes)
+    budget += math.floor(max_extra_padding * numel)
+
+    def fits(trial: Mapping[str, int]) -> bool:
+        return fits_within(_specs(tensors, trial), world_size, budget, alignment_bytes)
+
     every = units | {name: choices[0] for name, choices in options.items()}
-    if planned_padding(tensors, every, world_size, alignment_bytes) <= budget:
+    if fits(every):
         return every
     sizes = {name: math.prod(shape) for name, shape, _ in tensors}
     for name in sorted(options, key=lambda n: -sizes[n])[:MAX_COARSEN_TRIALS]:
         for unit in options[name]:
             trial = units | {name: unit}
-            if planned_padding(tensors, trial, world_size, alignment_bytes) <= budget:
+            if fits(trial):
                 units = trial
                 break
     return units
@@ -277,9 +318,10 @@ class MuonShardPolicy(GroupShardPolicy):
 
     ``whole_matrices``: True always keeps Muon matrices whole (no Newton–Schulz communication,
     at the cost of padding); False uses element units (least padding; matrices cut between ranks
-    travel to their owner); "auto" keeps a matrix whole only when the group's planned padding
-    does not grow. "auto" needs the whole group, so it is decided by ``units_for_group``;
-    asked per parameter, "auto" answers element units.
+    travel to their owner); "auto" keeps a matrix whole where the group's planned padding stays
+    within element units' plus ``max_extra_padding`` of the group's elements (``coarsen_units``;
+    0 keeps padding exactly at element units'). "auto" needs the whole group, so it is decided
+    by ``units_for_group``; asked per parameter, "auto" answers element units.
     """
 
     def __init__(
@@ -287,12 +329,15 @@ class MuonShardPolicy(GroupShardPolicy):
         whole_matrices: WholeMatrices = "auto",
         is_muon: Callable[[str, Sequence[int]], bool] = is_muon_matrix,
         alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+        max_extra_padding: float = DEFAULT_MAX_EXTRA_PADDING,
     ) -> None:
         if whole_matrices not in (True, False, "auto"):
             raise ValueError(f"whole_matrices={whole_matrices!r}: use True, False or 'auto'")
+        check_max_extra_padding(max_extra_padding)
         self.whole_matrices = whole_matrices
         self.is_muon = is_muon
         self.alignment_bytes = alignment_bytes
+        self.max_extra_padding = max_extra_padding
 
     def __call__(self, fqn: str, param: Any) -> int:
         shape = tuple(param.shape)
@@ -303,7 +348,7 @@ class MuonShardPolicy(GroupShardPolicy):
     def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
         """Units for one group's ``(name, shape, dtype)`` tensors. "auto": start from element
         units and make Muon matrices whole, all at once or else one by one (largest first,
-        the 32 largest), while the planned padding stays at the element plan's."""
+        the 32 largest), while the planned padding stays within the budget (``coarsen_units``)."""
         units = {name: 1 for name, _, _ in tensors}
         if self.whole_matrices is False or (world_size == 1 and self.whole_matrices == "auto"):
             return units
@@ -314,7 +359,9 @@ class MuonShardPolicy(GroupShardPolicy):
         }
         if self.whole_matrices is True:
             return units | {name: choices[0] for name, choices in options.items()}
-        return coarsen_units(tensors, world_size, options, self.alignment_bytes)
+        return coarsen_units(
+            tensors, world_size, options, self.alignment_bytes, self.max_extra_padding
+        )
 
 
 # ----------------------------------------------------------------------------- experts
@@ -362,18 +409,25 @@ def expert_unit_options(experts: int, rows: int, row: int, world_size: int) -> l
 
 
 class ExpertShardPolicy(GroupShardPolicy):
-    """``fully_shard``'s default: element units, except that fused expert tensors keep each
-    expert matrix whole on a rank (or ``k`` of its rows, when ``E < W``) wherever that adds no
-    padding to the group's element plan.
+    """``fully_shard``'s default: element units, except that expert tensors keep each expert
+    matrix whole on a rank (or ``k`` of its rows, when ``E < W``) wherever the group's planned
+    padding stays within element units' plus ``max_extra_padding`` of the group's elements.
 
     Experts whole on ranks are what Muon (per-expert Newton–Schulz without communication) and
     block quantization want, and cutting through them is what an even dim-0 split does to
-    fused experts; since the group's padding never grows, dense tensors and the memory cost
-    are exactly those of element units. Asked per parameter it answers element units.
+    fused experts. The group's padding, and so its memory and all-gather bytes, exceed element
+    units' by at most ``max_extra_padding`` (default 0.1 %; 0: exactly element units' padding).
+    Asked per parameter it answers element units.
     """
 
-    def __init__(self, alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES) -> None:
+    def __init__(
+        self,
+        alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+        max_extra_padding: float = DEFAULT_MAX_EXTRA_PADDING,
+    ) -> None:
+        check_max_extra_padding(max_extra_padding)
         self.alignment_bytes = alignment_bytes
+        self.max_extra_padding = max_extra_padding
 
     def __call__(self, fqn: str, param: Any) -> int:
         return 1
@@ -388,11 +442,13 @@ class ExpertShardPolicy(GroupShardPolicy):
             matrix = expert_matrix(name, shape)
             if matrix is not None and matrix[1] * matrix[2] > 1:
                 options[name] = expert_unit_options(*matrix, world_size)
-        return coarsen_units(tensors, world_size, options, self.alignment_bytes)
+        return coarsen_units(
+            tensors, world_size, options, self.alignment_bytes, self.max_extra_padding
+        )
 
 
 #: ``fully_shard``'s default, and the capacity planner's: element units, whole experts where
-#: they add no padding (``ExpertShardPolicy``).
+#: they add at most ``DEFAULT_MAX_EXTRA_PADDING`` of padding (``ExpertShardPolicy``).
 DEFAULT_POLICY: ShardPolicy = ExpertShardPolicy()
 
 
@@ -428,40 +484,63 @@ def _expert_choice(name: str, unit: int, experts: int, rows: int, row: int) -> s
         return f"whole {what}s on ranks"
     if unit % row == 0 and (rows * row) % unit == 0:
         return f"{unit // row} of each {what}'s {rows} rows together on a rank"
-    return f"{what}s cut between ranks (unit {unit}): whole ones were not found padding-free"
+    return f"{what}s cut between ranks (unit {unit}): whole ones did not fit the padding budget"
 
 
 # ----------------------------------------------------------------------------- FP8 blocks
-def float8_tiles(fqn: str, shape: Sequence[int], block: int = 128) -> tuple[int, int] | None:
-    """``(matrix rows, row length)`` of the ``block x block`` tiles a weight is quantized in for
-    a block-wise FP8 all-gather, or None for a tensor kept in the compute dtype.
+#: A square FP8 tile's side, or ``(rows, cols)`` of a tile: ``(1, 32)`` are MXFP8's blocks.
+Float8Tile = int | tuple[int, int]
+
+
+def _tile_shape(block: Float8Tile, what: str) -> tuple[int, int]:
+    dims = (block, block) if isinstance(block, int) else block
+    if not (
+        isinstance(dims, tuple)
+        and len(dims) == 2
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in dims)
+    ):
+        raise ValueError(
+            f"{what}: block={block!r} must be a positive int or a (rows, cols) pair of them"
+        )
+    return dims
+
+
+def float8_tiles(fqn: str, shape: Sequence[int], block: Float8Tile = 128) -> tuple[int, int] | None:
+    """``(matrix rows, row length)`` of the tiles a weight is quantized in for a block-wise FP8
+    all-gather, or None for a tensor kept in the compute dtype. ``block`` is a square tile's
+    side or a ``(rows, cols)`` tile.
 
     A tensor of 2+ dims is viewed as ``rows = prod(all but the last dim)`` rows of its last dim.
     Tiles restart at every matrix: a fused expert tensor ``(E, m, n)`` has one matrix per expert
-    (``expert_matrix``), unless ``m`` is a multiple of ``block``, when per-expert tiles are
+    (``expert_matrix``), unless ``m`` is a multiple of the tile rows, when per-expert tiles are
     exactly the tiles of the whole ``(E * m, n)`` view (one matrix of all rows). Eligible when
-    each matrix has at least ``block`` rows and ``block`` columns, so every tile row holds whole
-    tiles except at a matrix's bottom or right edge (partial edge tiles are allowed).
+    each matrix has at least a tile's rows and columns, so every tile row holds whole tiles
+    except at a matrix's bottom or right edge (partial edge tiles are allowed). One-row tiles
+    (MXFP8's ``1 x 32`` blocks) never span rows, so the view is one matrix; they are eligible
+    when the row length is a multiple of the block, since an MX block is exactly that many
+    elements (OCP MX v1.0).
     """
+    tile_rows, tile_cols = _tile_shape(block, "float8_tiles")
     shape = tuple(shape)
     if len(shape) < 2:
         return None
     rows, cols = math.prod(shape[:-1]), shape[-1]
+    if tile_rows == 1:
+        return (rows, cols) if rows > 0 and cols > 0 and cols % tile_cols == 0 else None
     matrix = expert_matrix(fqn, shape)
     per_matrix = matrix[1] if matrix is not None else rows
-    if per_matrix < block or cols < block:
+    if per_matrix < tile_rows or cols < tile_cols:
         return None
-    return (rows if per_matrix % block == 0 else per_matrix), cols
+    return (rows if per_matrix % tile_rows == 0 else per_matrix), cols
 
 
-def float8_block_policy(block: int = 128) -> ShardPolicy:
-    """Units that keep every ``block x block`` FP8 tile on one rank, so each rank quantizes its
-    own piece with no communication for the scales: ``block`` rows of an eligible weight
-    (``float8_tiles``), or a whole matrix where tiles restart at matrices that are not a
-    multiple of ``block`` rows (unaligned experts); one element for tensors kept in the compute
-    dtype. ``fully_shard`` combines it with the group's policy (LCM, ``combine``)."""
-    if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-        raise ValueError(f"float8_block_policy: block={block!r} must be a positive int")
+def float8_block_policy(block: Float8Tile = 128) -> ShardPolicy:
+    """Units that keep every FP8 tile on one rank, so each rank quantizes its own piece with no
+    communication for the scales: a tile's rows of an eligible weight (``float8_tiles``; whole
+    rows for MXFP8's one-row blocks), or a whole matrix where tiles restart at matrices that are
+    not a multiple of the tile rows (unaligned experts); one element for tensors kept in the
+    compute dtype. ``fully_shard`` combines it with the group's policy (LCM, ``combine``)."""
+    tile_rows = _tile_shape(block, "float8_block_policy")[0]
 
     def unit(fqn: str, param: Any) -> int:
         shape = tuple(param.shape)
@@ -470,7 +549,7 @@ def float8_block_policy(block: int = 128) -> ShardPolicy:
             return 1
         matrix_rows, cols = tiles
         rows = math.prod(shape[:-1])
-        return (block if matrix_rows == rows else matrix_rows) * cols
+        return (tile_rows if matrix_rows == rows else matrix_rows) * cols
 
     return unit
 

@@ -67,12 +67,13 @@ class Config:
     # parallelism and memory
     fsdp: Annotated[Literal["raggedfsdp", "fsdp2"], "raggedfsdp | fsdp2 (PyTorch)"] = "raggedfsdp"
     whole_experts: Annotated[
-        bool, "MoE: every expert matrix whole on one rank even where it pads (default: where free)"
+        bool, "MoE: every expert matrix whole on one rank even where it pads (default: up to 0.1 %)"
     ] = False
     dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
     mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
     all_gather: Annotated[
-        Literal["param", "fp8"], "fp8: 128x128 block-wise FP8 weight all-gather (raggedfsdp)"
+        Literal["param", "fp8", "mxfp8"],
+        "fp8: 128x128 block-wise FP8 weight all-gather; mxfp8: 1x32 MX blocks (raggedfsdp)",
     ] = "param"
     activation_checkpointing: Annotated[bool, "recompute each block's activations"] = False
     compile: Annotated[bool, "torch.compile each block before wrapping it (as torchtitan)"] = False
@@ -100,8 +101,10 @@ class Config:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed} must be >= 0")
-        if self.all_gather == "fp8" and self.fsdp != "raggedfsdp":
-            raise ConfigError("all_gather=fp8 needs --fsdp raggedfsdp (FSDP2 gathers bf16 only)")
+        if self.all_gather != "param" and self.fsdp != "raggedfsdp":
+            raise ConfigError(
+                f"all_gather={self.all_gather} needs --fsdp raggedfsdp (FSDP2 gathers bf16 only)"
+            )
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
 

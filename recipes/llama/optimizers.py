@@ -112,7 +112,7 @@ def shard_policy(
     cls: type[torch.optim.Optimizer], whole_experts: bool = False
 ) -> ShardPolicy | None:
     """The unit rule the optimizer's math needs, or None (``fully_shard``'s default: whole
-    experts where that adds no padding) for torch's own optimizers. ``whole_experts`` keeps
+    experts within a 0.1 % padding budget) for torch's own optimizers. ``whole_experts`` keeps
     every expert matrix whole on a rank even where that pads, on top of the optimizer's rule."""
     policy = getattr(cls, "shard_policy", None)
     chosen = policy() if policy is not None else None

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import raggedfsdp
 from raggedfsdp.comm.launch import pin_gloo_to_loopback
-from raggedfsdp.fsdp import Float8Blocks
+from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
@@ -174,7 +174,7 @@ def _wrapper(
     """
     bf16 = cfg.mixed_precision == "bf16"
     if cfg.fsdp == "raggedfsdp":
-        fp8 = Float8Blocks() if cfg.all_gather == "fp8" else None
+        fp8 = {"fp8": Float8Blocks(), "mxfp8": MXFP8Blocks()}.get(cfg.all_gather)
         dtypes = (torch.bfloat16, torch.float32) if bf16 else (None, None)
         mp = raggedfsdp.MixedPrecisionPolicy(*dtypes, all_gather=fp8)
         return partial(raggedfsdp.fully_shard, mesh=mesh, mp_policy=mp, shard_policy=policy)

@@ -164,7 +164,7 @@ def test_human_report(capsys) -> None:
 
 def test_the_default_unit_is_fully_shards_and_pads_no_more_than_fsdp2(capsys) -> None:
     result = _json(capsys, "llama3-70b", "--world-size", "1024")  # the README's example
-    assert result["unit"] == "1 element, whole experts where free"
+    assert result["unit"] == "1 element, whole experts within a 0.1 % padding budget"
     assert result["padding"]["pct"] <= result["padding"]["fsdp2_pct"]
     assert result["traffic_bytes"]["all_gather"] <= result["traffic_bytes"]["fsdp2_all_gather"]
     assert _json(capsys, "llama3-8b", "-w", "8", "--unit-rows", "16")["unit"] == "16 rows"

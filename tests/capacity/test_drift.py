@@ -37,6 +37,7 @@ from raggedfsdp.sharding import FlatBuffer, RaggedTensor
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
 from raggedfsdp.sharding.units import (
     DEFAULT_POLICY,
+    ExpertShardPolicy,
     combine,
     is_muon_matrix,
     resolve_units,
@@ -89,6 +90,10 @@ OPTIMIZERS: dict[str, tuple[OptimizerSpec, type, dict[str, Any]]] = {
 #: the planner's unit setting -> the policy a user passes to fully_shard for it
 USER_UNITS = {
     "elements": (UnitPolicy("elements"), DEFAULT_POLICY),
+    "elements-budget": (
+        UnitPolicy("elements", max_extra_padding=0.05),
+        ExpertShardPolicy(max_extra_padding=0.05),
+    ),
     "rows": (UnitPolicy("rows", 2), row_units(2)),
 }
 

@@ -1,4 +1,4 @@
-"""The capacity planner's ``--all-gather fp8`` bytes are the runtime's payload bytes."""
+"""The capacity planner's ``--all-gather fp8|mxfp8`` bytes are the runtime's payload bytes."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from torch import nn
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.capacity import Group, Mesh, ModelShapes, Settings, estimate
 from raggedfsdp.capacity.cli import main
-from raggedfsdp.fsdp import Float8Blocks
+from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 from raggedfsdp.fsdp.float8_gather import Float8Gather
 from raggedfsdp.fsdp.state import STATE_ATTR
 
-#: 128x128 tiles with partial edges, whole unaligned experts, and tensors kept in bf16.
+#: 128x128 tiles with partial edges, whole unaligned experts, and tensors kept in bf16 (with
+#: MXFP8 every 2-D tensor has rows of whole 1x32 blocks; only the norm stays in bf16).
 SHAPES = {
     "up": (384, 256),
     "down": (200, 384),
@@ -26,13 +27,14 @@ SHAPES = {
 }
 
 
-def _runtime_bytes() -> dict:
+def _runtime_bytes(kind: str) -> dict:
     model = nn.Module()
     model.experts = nn.Module()
     for name, shape in SHAPES.items():
         owner, leaf = (model.experts, "w") if name == "experts.w" else (model, name)
         owner.register_parameter(leaf, nn.Parameter(torch.randn(shape)))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=Float8Blocks())
+    fmt = Float8Blocks() if kind == "fp8" else MXFP8Blocks()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=fmt)
     fully_shard(model, mp_policy=policy)
     sent = []
     real_pack = Float8Gather.pack
@@ -49,11 +51,12 @@ def _runtime_bytes() -> dict:
     return {"sent": sent[0], "segment": group.layout.segment_size}
 
 
+@pytest.mark.parametrize("kind", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_planned_bytes_equal_the_runtime_payload(pool, world_size):
-    runtime = pool.run(_runtime_bytes)[0]
+def test_planned_bytes_equal_the_runtime_payload(pool, world_size, kind):
+    runtime = pool.run(_runtime_bytes, kind)[0]
     shapes = ModelShapes("tiny", "test", (Group("block", 1, tuple(SHAPES.items())),))
-    est = estimate(shapes, Settings(Mesh(1, world_size), all_gather="fp8"))
+    est = estimate(shapes, Settings(Mesh(1, world_size), all_gather=kind))
     plan = est.plans[0]
     assert plan.segment == runtime["segment"]
     assert (world_size * plan.gather_bytes, plan.gather_bytes) == runtime["sent"]
@@ -70,3 +73,11 @@ def test_cli_reports_about_half_the_bytes_for_llama3(capsys):
     assert fp8["scales"] == fp8["codes"] / (128 * 128) * 4
     with pytest.raises(SystemExit, match="2"):  # argparse's status for a bad choice
         main(["llama3-8b", "-w", "8", "--all-gather", "fp4"])
+
+
+def test_cli_mxfp8_pays_a_thirty_second_more_at_any_world_size(capsys):
+    for world in (8, 256):
+        assert main(["llama3-8b", "-w", str(world), "--all-gather", "mxfp8", "--json"]) == 0
+        fp8 = json.loads(capsys.readouterr().out)["float8_all_gather_bytes"]
+        assert fp8["scales"] == fp8["codes"] / 32  # one e8m0 byte per 32 codes
+        assert 0.5156 < fp8["ratio"] < 0.52  # 1/2 + 1/64 and a little padding

@@ -1,4 +1,4 @@
-"""The block-wise FP8 quantizer against a written-out float64 reference."""
+"""The block-wise FP8 and MXFP8 quantizers against written-out float64 references."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from raggedfsdp.fsdp.float8 import FP8_MAX, Float8Blocks, dequantize_tiles, quantize_tiles
+from raggedfsdp.fsdp.mxfp8 import MXFP8Blocks, dequantize_mx, quantize_mx
 
 
 def _e4m3_grid() -> np.ndarray:
@@ -126,3 +127,86 @@ def test_the_policy_names_a_bad_block(bad):
         Float8Blocks(bad)
     with pytest.raises(ValueError, match="strict="):
         Float8Blocks(128, strict="yes")
+
+
+# ----------------------------------------------------------------------------- MXFP8
+def _mx_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dequantized values and e8m0 bytes of one matrix, block by block, in float64: the
+    smallest power of two ``2^e`` with ``amax <= 448 * 2^e`` found by counting up (not by
+    ``frexp``, as the code does), ``e`` clamped to e8m0's [-127, 127]."""
+    m, n = x.shape
+    scales = np.zeros((m, n // 32), dtype=np.uint8)
+    out = np.zeros((m, n))
+    for i in range(m):
+        for j in range(n // 32):
+            block = x[i, 32 * j : 32 * (j + 1)]
+            amax = float(np.abs(block).max())
+            if not math.isfinite(amax):
+                scales[i, j], out[i, 32 * j : 32 * (j + 1)] = 255, math.nan
+                continue
+            e = 0
+            if amax > 0:
+                e = math.floor(math.log2(amax)) - 11
+                while amax > FP8_MAX * 2.0**e:
+                    e += 1
+                e = min(max(e, -127), 127)
+            scales[i, j] = e + 127
+            for k, v in enumerate(block):
+                assert abs(v / 2.0**e) <= FP8_MAX
+                with np.errstate(over="ignore"):  # 256 * 2^120 is fp32's inf
+                    out[i, 32 * j + k] = _f32(_round_e4m3(v / 2.0**e) * 2.0**e)
+    return out, scales
+
+
+def _check_mx(x: torch.Tensor) -> None:
+    codes, scales = quantize_mx(x[None])
+    assert codes.dtype == torch.float8_e4m3fn and scales.dtype == torch.uint8
+    values = dequantize_mx(codes, scales, torch.float32)[0]
+    want, want_scales = _mx_reference(x.double().numpy())
+    np.testing.assert_array_equal(scales[0].numpy(), want_scales)
+    np.testing.assert_array_equal(values.double().numpy(), want)
+    bf16 = dequantize_mx(codes, scales, torch.bfloat16)[0]
+    want_bf16 = torch.from_numpy(want).float().bfloat16()
+    torch.testing.assert_close(bf16, want_bf16, rtol=0, atol=0, equal_nan=True)
+
+
+def test_mx_random_blocks_match_the_reference():
+    torch.manual_seed(1)
+    x = torch.randn(6, 128) * torch.logspace(-30, 30, 128)  # blocks of very different ranges
+    _check_mx(x)
+
+
+def test_mx_zero_subnormal_power_of_two_and_non_finite_blocks():
+    x = torch.ones(2, 32 * 8)
+    x[0, :32] = 0  # zero block: 2^0
+    x[0, 32:64] = torch.linspace(-1, 1, 32) * 1e-40  # fp32 subnormals: e clamped to -127
+    x[0, 64:96] = torch.linspace(-1, 1, 32) * 2.0**-14  # subnormal codes beside ...
+    x[0, 64] = 1.0  # ... the block's largest value (scale 2^-8)
+    x[0, 96:128] = 448.0  # amax = 448 exactly: scale 2^0 ...
+    x[0, 97:101] = torch.tensor([1.0625, 1.1875, 2.0**-10, 3 * 2.0**-10])  # ... and ties
+    x[0, 128:160] = 448.5  # a hair above: scale 2^1
+    x[0, 160:192] = 3.4e38  # near fp32's largest: the code 256 x 2^120 overflows to inf
+    x[1, 5] = float("nan")
+    x[1, 40] = float("-inf")
+    _check_mx(x)
+    codes, scales = quantize_mx(x[None])
+    assert scales[0, 0].tolist()[:7] == [127, 0, 119, 127, 128, 247, 119]
+    sub = codes[0, 0, 65:96].float().abs()
+    assert ((sub > 0) & (sub < 2.0**-6)).sum() >= 8  # e4m3 subnormals, not just zeros
+    values = dequantize_mx(codes, scales, torch.bfloat16)[0]
+    assert values[1, :64].isnan().all() and (values[1, 64:] == 1).all()
+    assert codes[0, 0, 97:101].float().tolist() == [1, 1.25, 0, 2.0**-8]  # ties to even
+    assert (values[0, 101:128] == 448).all() and values[0, 160:192].isinf().all()
+
+
+def test_mx_blocks_follow_rows_and_the_policy_checks_its_flag():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64)
+    codes, scales = quantize_mx(x)
+    assert scales.shape == (3, 5, 2)
+    c, s = quantize_mx(x[1, 2:3, 32:])  # one block on its own
+    assert torch.equal(s[0], scales[1, 2, 1:])
+    assert torch.equal(c.view(torch.uint8), codes[1, 2:3, 32:].view(torch.uint8))
+    assert MXFP8Blocks().tile == (1, 32) and not MXFP8Blocks().keep_weights
+    with pytest.raises(ValueError, match="MXFP8Blocks: strict="):
+        MXFP8Blocks("yes")

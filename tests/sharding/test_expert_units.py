@@ -1,8 +1,9 @@
-"""The default shard policy keeps fused experts whole on ranks wherever that adds no padding.
+"""The default shard policy keeps fused experts whole on ranks wherever that fits its budget.
 
 Fused expert tensors ``(E, m, n)`` with ``E`` not divisible by ``W`` are where an even split
 cuts through experts; the default (``DEFAULT_POLICY``) keeps each expert, or ``k`` of its rows
-when ``E < W``, on one rank whenever the group's planned padding stays at element units'.
+when ``E < W``, on one rank whenever the group's planned padding stays within element units'
+plus ``max_extra_padding`` (0.1 %) of the group's elements.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 
 from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, TensorSpec
 from raggedfsdp.sharding.units import (
+    DEFAULT_MAX_EXTRA_PADDING,
     DEFAULT_POLICY,
+    ExpertShardPolicy,
     GroupShardPolicy,
     MuonShardPolicy,
     TensorMeta,
@@ -69,12 +72,19 @@ def test_element_units_where_whole_experts_would_pad():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_never_more_padding_than_elements_and_whole_experts_when_free(world):
+@pytest.mark.parametrize("extra", [0.0, DEFAULT_MAX_EXTRA_PADDING, 0.05])
+def test_padding_within_the_budget_and_whole_experts_when_they_fit(world, extra):
+    policy = (
+        DEFAULT_POLICY
+        if extra == DEFAULT_MAX_EXTRA_PADDING
+        else ExpertShardPolicy(max_extra_padding=extra)
+    )
     for shape, extras in itertools.product(EXPERT_SHAPES, EXTRAS):
         tensors = _group(shape, extras)
-        units = resolve_units(DEFAULT_POLICY, tensors, world)
+        units = resolve_units(policy, tensors, world)
         elements = {name: 1 for name, _, _ in tensors}
-        budget = _padding(tensors, elements, world)
+        numel = sum(math.prod(s) for _, s, _ in tensors)
+        budget = _padding(tensors, elements, world) + math.floor(extra * numel)
         assert _padding(tensors, units, world) <= budget, (shape, extras)
         _, m, n = shape
         whole = elements | {"mlp.experts.w1": m * n, "mlp.experts.w2": m * n}
@@ -88,6 +98,14 @@ def test_never_more_padding_than_elements_and_whole_experts_when_free(world):
                 assert units[name] == 1 or units[name] % row == 0, (name, units[name])
             else:
                 assert units[name] == 1, name
+
+
+def test_a_padding_budget_buys_whole_experts():
+    # 6 experts over 4 ranks: whole experts take 2 slots a rank, 8 in all: 2/6 of the data
+    tensors = [("experts.w", (6, 64, 32), "float32")]
+    assert resolve_units(ExpertShardPolicy(max_extra_padding=0.3), tensors, 4) == {"experts.w": 1}
+    whole = resolve_units(ExpertShardPolicy(max_extra_padding=0.34), tensors, 4)
+    assert whole == {"experts.w": 64 * 32}
 
 
 def test_dense_groups_keep_element_units():
@@ -119,8 +137,8 @@ def test_notes_say_what_the_units_chose():
     assert expert_notes(specs) == (
         "a.experts.w1 (6, 8, 4): whole experts on ranks",
         "a.experts.w2 (2, 8, 4): 2 of each expert's 8 rows together on a rank",
-        "a.experts.w3 (6, 8, 4): experts cut between ranks (unit 1): whole ones were not found "
-        "padding-free",
+        "a.experts.w3 (6, 8, 4): experts cut between ranks (unit 1): whole ones did not fit the "
+        "padding budget",
     )
 
 
