@@ -95,7 +95,7 @@ class ShardMesh:
 def _check_device_mesh(mesh: DeviceMesh) -> None:
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"mesh_or_group: expected a 1-D (FSDP) or 2-D (replicate x shard, HSDP) DeviceMesh, "
+            f"mesh: expected a 1-D (FSDP) or 2-D (replicate x shard, HSDP) DeviceMesh, "
             f"got a {mesh.ndim}-D mesh {tuple(mesh.shape)}; slice or flatten it to the FSDP dims "
             f"first (e.g. mesh['dp_replicate', 'dp_shard']) or pass the shard ProcessGroup"
         )
@@ -125,8 +125,9 @@ def resolve_group(
     if isinstance(mesh_or_group, ProcessGroup):
         return mesh_or_group
     raise TypeError(
-        f"mesh_or_group: expected a DeviceMesh, a ProcessGroup or None, "
-        f"got {type(mesh_or_group).__name__}"
+        f"mesh: expected a DeviceMesh, a ProcessGroup or None, "
+        f"got {type(mesh_or_group).__name__}; pass init_device_mesh(...) or a group, or None "
+        "for the default group"
     )
 
 

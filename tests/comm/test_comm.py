@@ -238,7 +238,7 @@ def _check_flat_group_mesh() -> None:
     assert resolve_mesh(mesh) is mesh
     with pytest.raises(ValueError, match="mesh_dim: only meaningful with a DeviceMesh"):
         resolve_group(dist.group.WORLD, mesh_dim=0)
-    with pytest.raises(TypeError, match="mesh_or_group: expected a DeviceMesh"):
+    with pytest.raises(TypeError, match="mesh: expected a DeviceMesh"):
         resolve_mesh("world")  # type: ignore[arg-type]
 
 
@@ -267,7 +267,7 @@ def _check_device_meshes() -> None:
     assert not flat.is_hsdp and (flat.shard_rank, flat.shard_size) == (rank, 4)
 
     cube = init_device_mesh("cpu", (1, 2, 2))
-    with pytest.raises(ValueError, match=r"mesh_or_group: expected a 1-D .* got a 3-D mesh"):
+    with pytest.raises(ValueError, match=r"mesh: expected a 1-D .* got a 3-D mesh"):
         resolve_mesh(cube)
     with pytest.raises(ValueError, match="mesh_dim: 2 is out of range"):
         resolve_group(hsdp, 2)
