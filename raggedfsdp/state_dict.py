@@ -118,8 +118,13 @@ def set_model_state_dict(
     options: StateDictOptions | None = None,
 ) -> Any:
     """torch's ``set_model_state_dict``; a full state dict is cut to each RaggedTensor
-    parameter's piece first (streamed from rank 0 with ``broadcast_from_rank0``)."""
-    model_state_dict, options = _cut(model, model_state_dict, options, _model_fqn)
+    parameter's piece first (streamed from rank 0 with ``broadcast_from_rank0``).
+
+    Unlike ``nn.Module.load_state_dict``, which copies what fits and then reports the rest, a
+    state dict with missing or unexpected keys (under ``strict``) or another shape is refused
+    before any parameter changes, on every rank alike."""
+    check = _model_checker(model, options or StateDictOptions())
+    model_state_dict, options = _cut(model, model_state_dict, options, _model_fqn, check)
     return _torch.set_model_state_dict(model, model_state_dict, options=options)
 
 
@@ -159,6 +164,37 @@ class _TensorMeta:
     dtype: torch.dtype
 
 
+def _model_checker(
+    model: nn.Module, options: StateDictOptions
+) -> Callable[[list[tuple[Any, Any]]], None]:
+    """A check of a model state dict's flattened leaves against ``model``'s keys and (global)
+    shapes, raising one line that names the keys and the fix."""
+    local = replace(options, full_state_dict=False, broadcast_from_rank0=False, cpu_offload=False)
+    expected = _torch.get_model_state_dict(model, options=local)  # this rank's: no collective
+
+    def check(leaves: list[tuple[Any, Any]]) -> None:
+        # the key is the path's first step (a module's ``_extra_state`` may nest further)
+        given = {getattr(path[0], "key", None): v if len(path) == 1 else None for path, v in leaves}
+        missing = sorted(set(expected) - set(given)) if options.strict else []
+        unexpected = sorted(set(given) - set(expected)) if options.strict else []
+        if missing or unexpected:
+            raise ValueError(
+                f"set_model_state_dict: the state dict does not fit this model (missing keys "
+                f"{missing[:5]}, unexpected keys {unexpected[:5]}); load a checkpoint of this "
+                "model, or pass StateDictOptions(strict=False) to load the keys it shares"
+            )
+        for fqn, value in given.items():
+            want = getattr(expected.get(fqn), "shape", None)
+            shape = getattr(value, "shape", None)
+            if want is not None and shape is not None and tuple(shape) != tuple(want):
+                raise ValueError(
+                    f"set_model_state_dict: {fqn!r} has shape {tuple(shape)} in the state dict "
+                    f"but {tuple(want)} in this model; load a checkpoint of this model"
+                )
+
+    return check
+
+
 def _model_fqn(keys: list[Any]) -> str | None:
     return keys[0] if len(keys) == 1 else None
 
@@ -178,13 +214,17 @@ def _cut(
     state: dict[str, Any],
     options: StateDictOptions | None,
     fqn_of: Callable[[list[Any]], str | None],
+    check: Callable[[list[tuple[Any, Any]]], None] | None = None,
 ) -> tuple[dict[str, Any], StateDictOptions]:
     """A full state dict as torch's sharded one (and the options to load it with): every
     tensor shaped like the RaggedTensor parameter it belongs to replaced by this rank's piece
     of it (a copy on the parameter's device, so the full tensor can go). Other state dicts
-    pass unchanged."""
+    pass unchanged. ``check`` sees the flattened leaves first (rank 0's, as announced, when
+    broadcasting), so every rank refuses a bad state dict before anything moves."""
     options = options or StateDictOptions()
     if not options.full_state_dict:
+        if check is not None:
+            check(tree_flatten_with_path(state)[0])
         return state, options
     sharded = replace(options, full_state_dict=False, broadcast_from_rank0=False)
     params = dict(model.named_parameters(remove_duplicate=False))  # tied: every name
@@ -192,6 +232,8 @@ def _cut(
     leaves, spec = tree_flatten_with_path(state)
     if broadcast:
         leaves, spec = _announced_by_rank0(leaves, spec)
+    if check is not None:
+        check(leaves)
     device = next(iter(params.values())).device if params else torch.device("cpu")
     out = []
     for path, leaf in leaves:

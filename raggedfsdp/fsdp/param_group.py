@@ -193,6 +193,13 @@ class ParamGroup:
         for mp in self.params:
             if mp.unsharded.requires_grad != mp.sharded.requires_grad:
                 mp.unsharded.requires_grad_(mp.sharded.requires_grad)
+            view = self.compute.full_view(mp.fqn)
+            if not mp.unsharded.is_set_to(view):
+                # A module moved the parameter onto storage of its own (an RNN's
+                # ``flatten_parameters`` on CUDA copies its weights into one cuDNN buffer and
+                # ``set_``s them there): it would read that copy's old values from then on.
+                # Pointed back (``.data``: no version bump for saved activations to trip on).
+                mp.unsharded.data = view
         self._install("unsharded")
         self._note_trainable()
 

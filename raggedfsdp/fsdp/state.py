@@ -52,6 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from raggedfsdp.comm import ShardMesh, shard_subgroup
 from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
+from raggedfsdp.fsdp.outputs import output_tensors
 from raggedfsdp.fsdp.param_group import ParamGroup
 
 __all__ = [
@@ -252,6 +253,9 @@ class FSDPState:
         # with a forward_only group: this forward's outputs, and its inputs' autograd nodes
         # (where the search for other uses of the embedding weights stops)
         self._outputs: list[torch.Tensor] = []
+        # a module of this forward returned no tensor taking a gradient that could be found:
+        # nothing would gather the group for backward, so it stays gathered until then
+        self._outputs_unseen = False
         self._input_nodes: set[Any] = set()
         # this forward's number, and how many of its modules' input gradients are still to
         # come (None: some module had no input that takes a gradient)
@@ -338,6 +342,7 @@ class FSDPState:
         if first_to_run:
             self._yet_to_run = {id(m) for m in self.modules}
             self._outputs, self._input_nodes = [], set()
+            self._outputs_unseen = False
             self._forward_id += 1
             self._inputs_pending = 0
             if self.group is not None:
@@ -371,9 +376,9 @@ class FSDPState:
         hook the outputs for backward."""
         if in_backward():  # recomputation for activation checkpointing: backward needs them
             return output
-        tensors = [
-            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        tensors = output_tensors(output)
+        if not tensors and torch.is_grad_enabled() and self.group is not None:
+            self._outputs_unseen = any(mp.unsharded.requires_grad for mp in self.group.params)
         if self.forward_only is not None:
             self._outputs += tensors
         self._yet_to_run.discard(id(module))
@@ -395,6 +400,10 @@ class FSDPState:
             # would add an all-gather per step and leave it exposed (its embedding group,
             # ``forward_only``, is still freed: backward reads none of it)
             keep = True
+        # Outputs hidden where no search finds them (a closure, an opaque object): backward
+        # may read the parameters with no gradient of ours to gather them first, so they stay
+        # gathered until their gradients are in (correct; memory held as for the root's group).
+        keep = keep or (self._outputs_unseen and backward_comes)
         outputs, stop = self._outputs, self._input_nodes
         self._outputs, self._input_nodes = [], set()  # holding the outputs would keep the graph
         for group in self.groups:

@@ -13,7 +13,9 @@ pieces travel to the owner already cast to the NS dtype (bf16: half the bytes of
 element-wise, so nothing changes bitwise), and the bf16 update comes back the same way. The
 forward exchange runs while the rank runs its AdamW groups and orthogonalises its
 communication-free matrices. So every mode is bitwise equal to torch's Muon on the full
-parameters with the same gradients.
+parameters with the same gradients (for bf16 parameters cut between ranks on CPU, up to one ulp
+in a few elements: torch's CPU ``add_`` rounds a call's last elements differently; see
+docs/optimizers.md).
 
 Matrices of one shape on one owner (stacked experts, the same projection in every layer) go
 through Newton–Schulz together: one ``bmm`` / ``baddbmm`` chain over the stack instead of one
