@@ -29,6 +29,7 @@ from torch.distributed.checkpoint import state_dict as _torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.utils._pytree import tree_flatten_with_path, tree_map_only, tree_unflatten
 
+from raggedfsdp.optim.state import names_from
 from raggedfsdp.sharding import RaggedTensor
 
 __all__ = [
@@ -136,9 +137,12 @@ def set_optimizer_state_dict(
     options: StateDictOptions | None = None,
 ) -> None:
     """torch's ``set_optimizer_state_dict``; a full state dict (nested or flattened) is cut to
-    the pieces of the RaggedTensor parameters its states belong to first."""
+    the pieces of the RaggedTensor parameters its states belong to first. Load errors name
+    parameters by their names in ``model``."""
     optim_state_dict, options = _cut(model, optim_state_dict, options, _optimizer_fqn)
-    _torch.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
+    listed = (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+    with names_from(model, listed):
+        _torch.set_optimizer_state_dict(model, listed, optim_state_dict, options=options)
 
 
 def set_state_dict(

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from raggedfsdp.capacity.float8 import ALL_GATHER_KINDS
 from raggedfsdp.capacity.hf_config import EXPERT_LAYOUTS
@@ -37,13 +39,21 @@ EXAMPLES = """examples:
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, like the planner's own: the option, what is wrong
+    and the fix, then where the full usage is, instead of a screen of usage above the line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give one >= 1") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+        raise argparse.ArgumentTypeError(f"{value} must be an integer >= 1")
     return value
 
 
@@ -51,16 +61,18 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{value} must be > 0")
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number > 0, e.g. 80")
     return value
 
 
 def _tile(text: str) -> tuple[int, int]:
     parts = text.lower().replace("×", "x").split("x")
     if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWSxCOLS, e.g. 32x32")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected ROWSxCOLS with integers >= 1, e.g. 32x32"
+        )
     return int(parts[0]), int(parts[1])
 
 
@@ -98,7 +110,7 @@ def _add_whole_units(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description="Capacity planner: per-rank memory, padding, traffic and Muon balance of "
         "a model under raggedfsdp's structure-aware sharding, before you rent the GPUs.",

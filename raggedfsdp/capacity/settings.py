@@ -47,6 +47,12 @@ class Mesh:
     def parse(cls, text: str) -> Mesh:
         """``"256"`` (FSDP) or ``"4x256"`` (HSDP: 4 replicas of 256-rank shard groups)."""
         parts = re.split(r"\s*[x×,*]\s*", text.strip().lower())
+        if len(parts) > 2:
+            raise PlanError(
+                f"--mesh {text!r}: {len(parts)} dimensions, expected SHARD or REPLICATExSHARD "
+                "(fully_shard takes a 1-D or 2-D mesh); fold the outer dimensions into "
+                "REPLICATE, e.g. 2x2x2 -> 4x2"
+            )
         if not 1 <= len(parts) <= 2 or not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
             raise PlanError(
                 f"--mesh {text!r}: expected SHARD or REPLICATExSHARD with positive integers, "

@@ -17,6 +17,8 @@ Nothing is copied into or out of a communication buffer around a collective.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -120,7 +122,7 @@ class ParamGroup:
         self._gather: CommHandle | None = None
         self._payload: torch.Tensor | None = None  # the FP8 gather's bytes until unpacked
         self.all_gather_bytes = 0  # bytes of every all-gather output so far (a metric)
-        self._version = 0  # the compute buffer's autograd version before the pending gather
+        self._compute_version = 0  # the compute buffer's version before the pending gather
         self._reduce: tuple[CommHandle, torch.Tensor] | None = None
         self._received: set[int] = set()  # params whose gradient is in `grads.full` this window
         self.arrived: set[int] = set()  # params whose gradient came in the current backward
@@ -170,6 +172,7 @@ class ParamGroup:
             local = self.master.shard_view(mp.fqn)
             ragged = RaggedTensor(local, spec, rank, self.mesh.shard_group)
             mp.sharded = nn.Parameter(ragged, requires_grad=mp.requires_grad)
+            mp.sharded.sharded_use_hint = functools.partial(_use_hint, weakref.ref(self))
             mp.unsharded = nn.Parameter(self.compute.full_view(mp.fqn), mp.requires_grad)
 
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
@@ -310,7 +313,7 @@ class ParamGroup:
             return
         with torch.no_grad():
             full = self.compute.alloc_full()
-            self._version = full._version
+            self._compute_version = full._version
             if self._post_forward is not None:
                 mesh, chunk = self._post_forward
             elif self._float8 is not None:  # quantize this rank's tiles into a byte payload
@@ -364,7 +367,9 @@ class ParamGroup:
         # The collective rewrote the storage that saved activations of the unsharded params
         # point at, with the data they had: undo the version bump (which gloo makes whenever
         # the work completes) so autograd's in-place check stays quiet, as FSDP2 does.
-        torch._C._autograd._unsafe_set_version_counter((self.compute.full,), (self._version,))
+        torch._C._autograd._unsafe_set_version_counter(
+            (self.compute.full,), (self._compute_version,)
+        )
 
     def reshard(self, free: bool = True, keep_for: ShardMesh | None = None) -> None:
         """Point the modules back at the sharded parameters and free the unsharded memory
@@ -586,3 +591,17 @@ def _units(
     parameter (seeing the parameter itself)."""
     tensors = [(mp.fqn, tuple(mp.original.shape), dtype) for mp in params]
     return resolve_units(policy, tensors, world, {mp.fqn: mp.original for mp in params})
+
+
+def _use_hint(group: weakref.ref[ParamGroup]) -> str:
+    """Why a sharded parameter reached an op that needs it whole: code read it without calling
+    the module fully_shard wrapped (whose forward gathers it), which only wrapping the caller
+    fixes. The group's name is read now: the root's first forward sets it to the module path."""
+    alive = group()
+    where = repr(alive.name) if alive is not None else "its fully_shard module"
+    return (
+        f"It is a parameter of fully_shard module {where}, whole only while that module's "
+        "forward runs: code that reads it without calling the module (as nn.MultiheadAttention "
+        "reads out_proj.weight) meets it sharded. Wrap the module that uses it instead (the "
+        "attention module or its block)."
+    )

@@ -16,13 +16,19 @@ computed a gradient for is skipped exactly as torch skips ``p.grad is None``. A 
 unfrozen later gets a fresh gradient from autograd (copied in at the next step, which hooks it)
 instead of one accumulated silently into its view. After ``step()``
 the buffer holds averaged values only in this rank's segment, so using those gradients again
-without ``zero_grad()`` (or new ones from ``model.zero_grad()`` + backward) is an error rather
-than a silently wrong update.
+(stepping again, or accumulating a backward onto them) is an error rather than a silently wrong
+update. Zeroing them is not: ``optimizer.zero_grad()``, or torch's ``model.zero_grad(set_to_none=
+False)``, which zeroes each ``p.grad`` in place. To tell that apart from reuse without reading
+the values, each ``p.grad`` is an alias of its buffer region with a version counter of its own (a
+view would share the buffer's counter with every other parameter's view): an in-place write
+between ``step()`` and the first gradient to arrive means the user reset it. Any in-place write
+counts (``p.grad.mul_(0)`` as much as ``zero_()``); accumulating without one does not.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,8 +48,18 @@ from raggedfsdp.sharding import FlatBuffer, Layout, TensorSpec, plan_layout
 __all__ = ["DropInBucket"]
 
 
-def _mark(flags: list[bool], index: int, param: Tensor) -> None:
-    flags[index] = True
+def _arrived(bucket: weakref.ref[DropInBucket], index: int, param: Tensor) -> None:
+    alive = bucket()
+    if alive is not None:
+        alive.arrived(index, param)
+
+
+def _alias(view: Tensor) -> Tensor:
+    """A tensor on ``view``'s memory with a version counter of its own, so that an in-place
+    write to one parameter's gradient shows on that gradient only."""
+    with torch.no_grad():
+        empty = torch.empty(0, dtype=view.dtype, device=view.device)
+        return empty.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 class DropInBucket:
@@ -84,19 +100,25 @@ class DropInBucket:
                 self.params.full_view(name).copy_(p)
             self._broadcast()
         self.has_grad = [p.grad is not None for p in self.plist]
-        for name, p in zip(self.names, self.plist, strict=True):
+        #: What ``p.grad`` is while it is the buffer's (see ``_alias``).
+        self._aliases = [_alias(self.grads.full_view(n)) for n in self.names]
+        for i, (name, p) in enumerate(zip(self.names, self.plist, strict=True)):
             grad = p.grad
             if grad is not None:
                 check_grad(name, p, grad)
                 self.grads.full_view(name).copy_(grad)
             p.data = self.params.full_view(name)
             if grad is not None or p.requires_grad:  # see _point_at_buffer
-                p.grad = self.grads.full_view(name)
+                p.grad = self._aliases[i]
         self._hooks: dict[int, torch.utils.hooks.RemovableHandle] = {}
         self._hook_trainable()
         #: The gradient buffer was reduce-scattered in place: only this rank's segment holds
-        #: averaged values, so it must be zeroed (or every gradient replaced) before reuse.
+        #: averaged values, so each gradient must be reset (or replaced) before reuse.
         self.reduced = False
+        #: Since the reduce: each alias's version then, and per parameter whether the first
+        #: gradient to arrive was accumulated onto the reduced one (None: none arrived yet).
+        self._versions = [0] * len(self.plist)
+        self._stale: list[bool | None] = [None] * len(self.plist)
 
     def _broadcast(self) -> None:
         """Make every rank start from rank 0's values (replicate dim first, then shard dim)."""
@@ -113,15 +135,34 @@ class DropInBucket:
         marks them."""
         for i, p in enumerate(self.plist):
             if p.requires_grad and i not in self._hooks:
-                mark = functools.partial(_mark, self.has_grad, i)
-                self._hooks[i] = p.register_post_accumulate_grad_hook(mark)
+                # weakly: a hook holding the bucket would keep it (and, through it, the
+                # optimizer's buffers) alive in a reference cycle after the optimizer is gone
+                arrived = functools.partial(_arrived, weakref.ref(self), i)
+                self._hooks[i] = p.register_post_accumulate_grad_hook(arrived)
 
-    def _point_at_buffer(self, i: int, p: Tensor, view: Tensor) -> None:
-        """``p.grad`` becomes its zeroed view, except for an unhooked (frozen) parameter with
+    def arrived(self, i: int, p: Tensor) -> None:
+        """A gradient was accumulated into parameter ``i``. The first one after a reduce was
+        added onto the reduced gradient if autograd's in-place add (one version) is the only
+        write to the alias since then; a reset (``zero_()``) before it is another."""
+        self.has_grad[i] = True
+        if self.reduced and self._stale[i] is None:
+            alias = self._aliases[i]
+            self._stale[i] = p.grad is alias and alias._version == self._versions[i] + 1
+
+    def _reuses_reduced(self, i: int, grad: Tensor | None) -> bool:
+        """Whether ``grad`` (``p.grad`` at the step after a reduce) builds on the reduced
+        gradient: accumulated onto it, or untouched since."""
+        if self._stale[i] is not None:
+            return self._stale[i] and grad is not None
+        alias = self._aliases[i]
+        return grad is alias and alias._version == self._versions[i]
+
+    def _point_at_buffer(self, i: int, p: Tensor) -> None:
+        """``p.grad`` becomes its zeroed alias, except for an unhooked (frozen) parameter with
         no gradient: it keeps ``None``, so a gradient after unfreezing arrives as a fresh
         tensor that ``collect`` sees."""
         if p.grad is not None or i in self._hooks:
-            p.grad = view
+            p.grad = self._aliases[i]
 
     # ----------------------------------------------------------------------------- per step
     def collect(self) -> list[bool]:
@@ -143,20 +184,21 @@ class DropInBucket:
                 )
             gview = self.grads.full_view(name)
             grad = p.grad
-            if self.reduced and grad is not None and is_view_of(gview, grad):
+            if self.reduced and self._reuses_reduced(i, grad):
                 raise RuntimeError(
                     f"the gradient of {name!r} is still the one the last step() reduced in place "
                     "(in drop-in mode only this rank's segment of the gradient buffer holds "
-                    "averaged values afterwards); call optimizer.zero_grad() between steps"
+                    "averaged values afterwards), or a backward added onto it; call "
+                    "optimizer.zero_grad() (or model.zero_grad()) between steps"
                 )
             if grad is None:
                 gview.zero_()
-                self._point_at_buffer(i, p, gview)
+                self._point_at_buffer(i, p)
                 self.has_grad[i] = False
             elif not is_view_of(gview, grad):
                 self._check_grad(name, p, grad)
                 gview.copy_(grad)
-                p.grad = gview
+                p.grad = self._aliases[i]
                 self.has_grad[i] = True
         self.reduced = False  # every region was zeroed or overwritten
         self._hook_trainable()
@@ -167,6 +209,8 @@ class DropInBucket:
         of the buffer is scratch until ``zero_grad``, which lets gloo use an in-place all-reduce
         instead of its copying reduce-scatter."""
         self.reduced = True
+        self._versions = [alias._version for alias in self._aliases]
+        self._stale = [None] * len(self.plist)
         return reduce_scatter_flat(
             self.grads.shard,
             self.grads.full,
@@ -196,7 +240,7 @@ class DropInBucket:
             view = self.grads.full_view(name)
             if not is_view_of(view, p.grad):
                 self.has_grad[i] = p.grad is not None
-                self._point_at_buffer(i, p, view)
+                self._point_at_buffer(i, p)
             if set_to_none:
                 self.has_grad[i] = False
                 if i not in self._hooks:  # frozen: a gradient after unfreezing must be fresh

@@ -15,18 +15,20 @@ be saved with ``torch.distributed.checkpoint`` and loaded at any other world siz
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from copy import deepcopy
+from types import MappingProxyType
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from raggedfsdp.optim.contract import Mode, OptimizerHooks, Piece, StateBytes, StateSpec
 from raggedfsdp.optim.pieces import storage_bytes, unwrap
 from raggedfsdp.sharding import RaggedTensor
 
-__all__ = ["ShardedState"]
+__all__ = ["ShardedState", "names_from"]
 
 
 class ShardedState(OptimizerHooks):
@@ -36,6 +38,8 @@ class ShardedState(OptimizerHooks):
     state: Any
     param_groups: list[dict[str, Any]]
     _pieces: dict[Tensor, Piece]
+    #: Parameter names from the model being loaded into (see ``names_from``).
+    _model_names: Mapping[Tensor, str] = MappingProxyType({})
 
     def _allocate(self, pieces: Sequence[Piece]) -> None:
         """Create zero state for ``pieces`` (one group): per-parameter tensors in single mode,
@@ -181,19 +185,31 @@ class ShardedState(OptimizerHooks):
                 state[key] = torch.empty(shape, dtype=spec.dtype, device="meta")
         if set(saved) != set(state):
             raise ValueError(
-                f"parameter {piece.name!r}: the loaded state has keys {sorted(saved)} but "
+                f"parameter {self._label(piece)}: the loaded state has keys {sorted(saved)} but "
                 f"{type(self).__name__} keeps {sorted(state)} for it (a checkpoint of another "
                 "optimizer, or other settings such as amsgrad / block size?)"
             )
         for key, dst in state.items():
             if key != "step":
-                _copy_into(f"{piece.name!r} state {key!r}", dst, saved[key], check_only=True)
+                what = f"{self._label(piece)} state {key!r}"
+                _copy_into(what, dst, saved[key], check_only=True)
+
+    def _label(self, piece: Piece) -> str:
+        """How load errors name ``piece``: a parameter given without a name (known only by
+        its position) also by its name in the model, when the model being loaded into, or
+        fully_shard (which names each shard after its parameter), knows it."""
+        if not piece.name.startswith("param_groups["):
+            return repr(piece.name)
+        fqn = self._model_names.get(piece.param)
+        if fqn is None and piece.mode == "fsdp" and piece.spec is not None:
+            fqn = piece.spec.name or None
+        return f"{fqn!r} ({piece.name})" if fqn else repr(piece.name)
 
     def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
         """Copy a saved entry that ``_check_state`` accepted into ``piece``'s state."""
         for key, dst in self.state[piece.param].items():
             if key != "step":
-                _copy_into(f"{piece.name!r} state {key!r}", dst, saved[key])
+                _copy_into(f"{self._label(piece)} state {key!r}", dst, saved[key])
 
     def _share_steps(
         self, group: dict[str, Any], params: Sequence[Tensor], values: dict[Tensor, float]
@@ -205,6 +221,23 @@ class ShardedState(OptimizerHooks):
             if key not in shared:
                 shared[key] = self._new_step(group, p.device).fill_(values[p])
             self.state[p]["step"] = shared[key]
+
+
+@contextmanager
+def names_from(model: nn.Module, optimizers: Iterable[Any]) -> Iterator[None]:
+    """Within the block, load errors of the sharded ``optimizers`` name parameters they were
+    given without names by their names in ``model`` (``set_optimizer_state_dict`` has both)."""
+    names: dict[Tensor, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(p, name)  # a tied parameter by its first name, as state dicts do
+    ours = [o for o in optimizers if isinstance(o, ShardedState)]
+    for o in ours:
+        o._model_names = names
+    try:
+        yield
+    finally:
+        for o in ours:
+            del o._model_names  # back to the class's empty mapping
 
 
 def _packed_state(

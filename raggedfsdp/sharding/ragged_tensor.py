@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -72,6 +73,11 @@ class RaggedTensor(torch.Tensor):
     _group_ref: _GroupRef
 
     __slots__ = ("_group_ref", "_local", "_rank", "_spec")
+
+    #: Set by an owner on the tensors it hands out (fully_shard, on its sharded parameters):
+    #: says why the tensor is sharded where code expected it whole, and the fix. Read only
+    #: when an op that needs the whole tensor is refused, so it costs nothing otherwise.
+    sharded_use_hint: Callable[[], str] | None = None
 
     @staticmethod
     def __new__(
@@ -166,16 +172,15 @@ class RaggedTensor(torch.Tensor):
             return _foreach(func, args, kwargs)
         if torch.Tag.pointwise in func.tags:
             return _pointwise(func, args, kwargs)
+        ragged = next((a for a in tree_flatten(args)[0] if isinstance(a, RaggedTensor)), None)
+        what = "a tensor" if ragged is None else repr(ragged._spec.name or tuple(ragged.shape))
+        hint = ragged.sharded_use_hint if ragged is not None else None
         raise NotImplementedError(
             f"{func.name()} needs the whole tensor, but a RaggedTensor holds only this rank's "
-            f"piece of {cls._describe(args)}. Gather it with .full_tensor() (or unshard the "
-            "module), or use .local for per-rank math (norms of whole tensors work as they are)."
+            f"piece of {what}. {hint() + ' ' if hint is not None else ''}Gather it with "
+            ".full_tensor() (or unshard the module), or use .local for per-rank math (norms of "
+            "whole tensors work as they are)."
         )
-
-    @staticmethod
-    def _describe(args: Any) -> str:
-        ragged = [a for a in tree_flatten(args)[0] if isinstance(a, RaggedTensor)]
-        return repr(ragged[0]._spec.name or tuple(ragged[0].shape)) if ragged else "a tensor"
 
     # ----------------------------------------------------------------------------- DCP protocol
     def _boxes(self) -> list[tuple[Box, int, int]]:

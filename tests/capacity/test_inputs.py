@@ -188,7 +188,7 @@ def test_malformed_shapes_files_name_the_place(tmp_path: Path, data, message) ->
         ({"hidden_size": None}, "missing 'hidden_size'"),
         ({"hidden_size": "64"}, "'hidden_size' must be an integer"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
-        ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3' is not supported"),
+        ({"model_type": "mamba"}, "model_type 'mamba' is not supported; supported: llama"),
         ({"tie_word_embeddings": "yes"}, "'tie_word_embeddings' must be true or false"),
     ],
 )
@@ -216,3 +216,54 @@ def test_options_that_do_not_apply_are_refused(tmp_path: Path) -> None:
         load_model("mixtral-8x7b", model="x")
     with pytest.raises(PlanError, match="choose one of"):
         load_model(_write(tmp_path / "config.json", MOE), experts="stacked")
+
+
+def _cli_error(capsys, argv: list[str]) -> str:
+    """Run the CLI; return its one stderr line after checking status 2 and no stdout. argparse's
+    own errors exit through SystemExit, the planner's return 2: both count."""
+    from raggedfsdp.capacity.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2 and not out, (code, out)
+    assert err.count("\n") == 1 and "Traceback" not in err and "usage:" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-w", "0"], "argument -w/--world-size: 0 must be an integer >= 1"),
+        (["--mesh", "3x"], "--mesh '3x': expected SHARD or REPLICATExSHARD"),
+        (["--mesh", "2x2x2"], "fold the outer dimensions into REPLICATE"),
+        (["-w", "8", "--gpu-memory", "-1"], "argument --gpu-memory: '-1': give a finite number"),
+        (["-w", "8", "--gpu-memory", "inf"], "argument --gpu-memory: 'inf': give a finite"),
+        (["-w", "8", "--param-dtype", "bf61"], "--param-dtype 'bf61': unknown; use one of"),
+        (["-w", "8", "--optimizer", "adamw8bit", "--tile", "0x32"], "--tile: '0x32': expected"),
+        (["-w", "8", "--unit-rows", "0"], "argument --unit-rows: 0 must be an integer >= 1"),
+        (["-w", "8", "--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'"),
+        ([], "one of the arguments -w/--world-size --mesh is required"),
+    ],
+)
+def test_bad_options_are_one_line(capsys, argv: list[str], message: str) -> None:
+    err = _cli_error(capsys, ["llama3-8b", *argv])
+    assert err.startswith("python -m raggedfsdp.plan: error: ") and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "not valid JSON (line 1"),
+        (json.dumps({k: v for k, v in DENSE.items() if k != "hidden_size"}), "'hidden_size'"),
+        (json.dumps({**DENSE, "hidden_size": -64}), "'hidden_size' must be an integer >= 1"),
+        (json.dumps({**DENSE, "vocab_size": 0}), "'vocab_size' must be an integer >= 1, got 0"),
+        (json.dumps({**DENSE, "model_type": "falcon"}), "model_type 'falcon' is not supported"),
+    ],
+)
+def test_bad_config_files_are_one_line(capsys, tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert message in _cli_error(capsys, [str(path), "-w", "8"])

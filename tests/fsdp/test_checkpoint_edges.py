@@ -331,7 +331,9 @@ def test_bad_checkpoints_are_refused_in_one_line_before_anything_changes(pool):
         "extra": r"unexpected keys \['4.bias', '4.weight'\].*strict=False",
         "missing": r"missing keys \['3.bias', '3.weight'\]",
         "shape": r"'2.weight' has shape \(8, 10\) in the state dict but \(7, 10\)",
-        "optimizer class": r"'param_groups\[0\]\[0\]'.*keeps \['exp_avg', 'exp_avg_sq', 'step'\]",
+        "optimizer class": (
+            r"'0\.weight' \(param_groups\[0\]\[0\]\).*keeps \['exp_avg', 'exp_avg_sq', 'step'\]"
+        ),
         "groups": r"6 parameter groups, this optimizer 1",
     }
     for res in pool.run(_refusals):

@@ -261,3 +261,52 @@ def _kept_copies_follow_writes(path: str) -> dict:
 def test_kept_unsharded_parameters_follow_every_write_to_the_sharded_ones(pool, tmp_path):
     for stale in pool.run(_kept_copies_follow_writes, str(tmp_path / "ckpt")):
         assert not any(stale.values()), stale
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x, need_weights=False)[0])
+
+
+def test_wrapping_a_module_whose_forward_never_runs_names_it_and_the_fix():
+    """``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``: the
+    refused op says which wrapped module it is and to wrap the attention instead."""
+    model = Attention()
+    fully_shard(model.attn.out_proj)
+    fully_shard(model)
+    x = torch.randn(2, 3, 8)
+    with pytest.raises(NotImplementedError, match=r"fully_shard module 'attn\.out_proj'.*Wrap"):
+        model(x)
+    fixed = Attention()
+    fully_shard(fixed.attn)  # the fix works
+    fully_shard(fixed)
+    fixed(x).sum().backward()
+
+
+def test_load_errors_name_parameters_given_by_position():
+    """An optimizer built from ``model.parameters()`` knows positions only; the model (through
+    ``set_optimizer_state_dict``) or fully_shard (directly) knows the names."""
+    from raggedfsdp.optim import AdamW
+    from raggedfsdp.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    for shard in (False, True):
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        if shard:
+            fully_shard(model)
+        opt = AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        bad = get_optimizer_state_dict(model, opt)
+        bad["state"]["0.bias"]["exp_avg"] = torch.zeros(5)
+        named = r"'0\.bias' \(param_groups\[0\]\[1\]\) state 'exp_avg': shape \(5,\)"
+        with pytest.raises(ValueError, match=named):
+            set_optimizer_state_dict(model, opt, bad)
+        direct = copy.deepcopy(opt.state_dict())
+        direct["state"][1]["exp_avg"] = torch.zeros(5)
+        with pytest.raises(ValueError, match=named if shard else r"^'param_groups\[0\]\[1\]'"):
+            opt.load_state_dict(direct)  # without a model only fully_shard's names are known
