@@ -12,9 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from raggedfsdp.sharding.float8_payload import Float8Payload
+from raggedfsdp.sharding.float8_payload import Float8Payload, eligible_tiles
 from raggedfsdp.sharding.planner import Layout
-from raggedfsdp.sharding.units import ShardPolicy, combine, float8_block_policy, float8_tiles
+from raggedfsdp.sharding.units import ShardPolicy, combine, float8_block_policy
 
 __all__ = [
     "ALL_GATHER_KINDS",
@@ -57,8 +57,7 @@ def payload(layout: Layout, param_bytes: int, kind: str = "fp8") -> Float8Payloa
     """The ``kind`` gather's payload plan of one group (tensors that cannot be tiled travel in
     the ``param_bytes``-byte compute dtype)."""
     fmt = FORMATS[kind]
-    tiles = {t.name: float8_tiles(t.name, t.shape, fmt.tile) for t in layout.tensors}
-    eligible = {n: t for n, t in tiles.items() if t is not None}
+    eligible = eligible_tiles(layout, fmt.tile)
     return Float8Payload(layout, eligible, fmt.tile, param_bytes, scale_bytes=fmt.scale_bytes)
 
 

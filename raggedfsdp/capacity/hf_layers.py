@@ -65,9 +65,7 @@ def _attention(c: ConfigKeys, family: Family) -> Tensors:
         ("v", (kv_rows, hidden), qkv_bias),
         ("o", (hidden, q_rows), o_bias),
     ):
-        t.append((f"self_attn.{proj}_proj.weight", shape))
-        if has_bias:
-            t.append((f"self_attn.{proj}_proj.bias", (shape[0],)))
+        t += _linear(f"self_attn.{proj}_proj", *shape, has_bias)
     if family.qk_norm:
         t += [("self_attn.q_norm.weight", (head_dim,)), ("self_attn.k_norm.weight", (head_dim,))]
     return t
@@ -83,23 +81,16 @@ def _mla(c: ConfigKeys) -> Tensors:
     q_rank = c.optional_integer("q_lora_rank")
     bias = c.flag("attention_bias", False)
     q_rows = heads * (nope + rope)
-    t: Tensors = []
-
-    def linear(name: str, rows: int, cols: int, has_bias: bool = False) -> None:
-        t.append((f"self_attn.{name}.weight", (rows, cols)))
-        if has_bias:
-            t.append((f"self_attn.{name}.bias", (rows,)))
-
     if q_rank is None:
-        linear("q_proj", q_rows, hidden)
+        t = _linear("self_attn.q_proj", q_rows, hidden)
     else:
-        linear("q_a_proj", q_rank, hidden, bias)
+        t = _linear("self_attn.q_a_proj", q_rank, hidden, bias)
         t.append(("self_attn.q_a_layernorm.weight", (q_rank,)))
-        linear("q_b_proj", q_rows, q_rank)
-    linear("kv_a_proj_with_mqa", kv_rank + rope, hidden, bias)
+        t += _linear("self_attn.q_b_proj", q_rows, q_rank)
+    t += _linear("self_attn.kv_a_proj_with_mqa", kv_rank + rope, hidden, bias)
     t.append(("self_attn.kv_a_layernorm.weight", (kv_rank,)))
-    linear("kv_b_proj", heads * (nope + v_dim), kv_rank)
-    linear("o_proj", hidden, heads * v_dim, bias)
+    t += _linear("self_attn.kv_b_proj", heads * (nope + v_dim), kv_rank)
+    t += _linear("self_attn.o_proj", hidden, heads * v_dim, bias)
     return t
 
 
@@ -139,7 +130,11 @@ def _mlp(c: ConfigKeys, prefix: str, hidden: int, ffn: int, fused: bool = False)
     t: Tensors = []
     bias = c.flag("mlp_bias", False)
     for proj, shape in (("gate", (ffn, hidden)), ("up", (ffn, hidden)), ("down", (hidden, ffn))):
-        t.append((f"{prefix}.{proj}_proj.weight", shape))
-        if bias:
-            t.append((f"{prefix}.{proj}_proj.bias", (shape[0],)))
+        t += _linear(f"{prefix}.{proj}_proj", *shape, bias)
     return t
+
+
+def _linear(name: str, rows: int, cols: int, bias: bool = False) -> Tensors:
+    """An ``nn.Linear(cols, rows)`` named ``name``: its weight, then its bias if it has one."""
+    weight = (f"{name}.weight", (rows, cols))
+    return [weight, (f"{name}.bias", (rows,))] if bias else [weight]

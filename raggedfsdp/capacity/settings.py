@@ -53,7 +53,7 @@ class Mesh:
                 "(fully_shard takes a 1-D or 2-D mesh); fold the outer dimensions into "
                 "REPLICATE, e.g. 2x2x2 -> 4x2"
             )
-        if not 1 <= len(parts) <= 2 or not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
+        if not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
             raise PlanError(
                 f"--mesh {text!r}: expected SHARD or REPLICATExSHARD with positive integers, "
                 "e.g. --mesh 4x256 (4 replicas of 256-rank shard groups)"

@@ -25,8 +25,7 @@ from raggedfsdp.fsdp.float8 import FP8_DTYPE, Float8Blocks
 from raggedfsdp.fsdp.float8_linear import Float8Weight
 from raggedfsdp.fsdp.mxfp8 import MXFP8Blocks
 from raggedfsdp.sharding import FlatBuffer, Layout
-from raggedfsdp.sharding.float8_payload import Float8Payload, PayloadPiece
-from raggedfsdp.sharding.units import float8_tiles
+from raggedfsdp.sharding.float8_payload import Float8Payload, PayloadPiece, eligible_tiles
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp.param_group import ManagedParam
@@ -37,17 +36,12 @@ __all__ = ["Float8Format", "Float8Gather", "float8_notes"]
 Float8Format = Float8Blocks | MXFP8Blocks
 
 
-def _eligible(layout: Layout, tile: tuple[int, int]) -> dict[str, tuple[int, int]]:
-    tiles = {t.name: float8_tiles(t.name, t.shape, tile) for t in layout.tensors}
-    return {name: tile for name, tile in tiles.items() if tile is not None}
-
-
 def float8_notes(
     layout: Layout, policy: Float8Format, dtype: torch.dtype, group: str
 ) -> tuple[str, ...]:
     """The group's note on tensors that keep ``dtype`` in the gather; with ``strict`` an error
     naming the weights of 2+ dims among them (raised before anything is built)."""
-    tiled = _eligible(layout, policy.tile)
+    tiled = eligible_tiles(layout, policy.tile)
     kept = [t for t in layout.tensors if t.name not in tiled]
     weights = [f"{t.name} {t.shape}" for t in kept if len(t.shape) >= 2]
     if policy.strict and weights:
@@ -70,7 +64,7 @@ class Float8Gather:
         self.dtype = dtype
         self.plan = Float8Payload(
             layout,
-            _eligible(layout, policy.tile),
+            eligible_tiles(layout, policy.tile),
             policy.tile,
             dtype.itemsize,
             scale_bytes=policy.scale_dtype.itemsize,
@@ -118,7 +112,7 @@ class Float8Gather:
         for name, (matrix_rows, cols) in self.plan.tiles.items():
             numel = self.plan.layout.by_name[name].numel
             shape = (numel // (matrix_rows * cols), matrix_rows, cols)
-            grid = (shape[0], *self._grid(matrix_rows, cols))
+            grid = (shape[0], *self.plan.grid(matrix_rows, cols))
             out[name] = (torch.cat(codes[name]).view(shape), torch.cat(scales[name]).view(grid))
         return out
 
@@ -161,9 +155,4 @@ class Float8Gather:
         start, dtype = piece.scale_offset, self.policy.scale_dtype
         scales = chunk[start : start + piece.num_scales * dtype.itemsize].view(dtype)
         matrices, rows, cols = piece.tiles
-        return scales.view(matrices, *self._grid(rows, cols))
-
-    def _grid(self, rows: int, cols: int) -> tuple[int, int]:
-        """Tiles down and across a ``rows x cols`` matrix (partial edge tiles count)."""
-        tile_rows, tile_cols = self.policy.tile
-        return -(-rows // tile_rows), -(-cols // tile_cols)
+        return scales.view(matrices, *self.plan.grid(rows, cols))

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, Layout
-from raggedfsdp.sharding.units import Float8Tile
+from raggedfsdp.sharding.units import Float8Tile, float8_tiles, tile_shape
 
-__all__ = ["SCALE_BYTES", "Float8Payload", "PayloadPiece"]
+__all__ = ["SCALE_BYTES", "Float8Payload", "PayloadPiece", "eligible_tiles"]
 
 #: Bytes of one 128x128 tile's scale (fp32); an MXFP8 block's e8m0 scale is one byte.
 SCALE_BYTES = 4
@@ -35,6 +35,13 @@ SCALE_BYTES = 4
 
 def _align(x: int, a: int) -> int:
     return -(-x // a) * a
+
+
+def eligible_tiles(layout: Layout, block: Float8Tile) -> dict[str, tuple[int, int]]:
+    """``float8_tiles`` of the layout's tensors that are quantized (the ``tiles`` argument of
+    ``Float8Payload``); the others travel in the compute dtype."""
+    tiles = {t.name: float8_tiles(t.name, t.shape, block) for t in layout.tensors}
+    return {name: tile for name, tile in tiles.items() if tile is not None}
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ class Float8Payload:
     ) -> None:
         self.layout = layout
         self.tiles = dict(tiles)
-        self.tile = (block, block) if isinstance(block, int) else tuple(block)
+        self.tile = tile_shape(block, "Float8Payload")
         self.raw_itemsize = raw_itemsize
         self.alignment = alignment
         self.scale_bytes = scale_bytes
@@ -97,9 +104,18 @@ class Float8Payload:
     def _band_rows(self, name: str) -> int:
         """Rows a piece starts at multiples of: a tile's rows in a tensor that is one tile
         matrix, a whole matrix where tiles restart at each (unaligned experts)."""
+        return self.tile[0] if self._one_matrix(name) else self.tiles[name][0]
+
+    def _one_matrix(self, name: str) -> bool:
+        """Whether tensor ``name``'s tiles run over all its rows (one tile matrix) rather than
+        restart at each of several matrices."""
         matrix_rows, cols = self.tiles[name]
-        whole = self.layout.by_name[name].numel // cols
-        return self.tile[0] if matrix_rows == whole else matrix_rows
+        return matrix_rows == self.layout.by_name[name].numel // cols
+
+    def grid(self, rows: int, cols: int) -> tuple[int, int]:
+        """Tiles down and across one ``rows x cols`` matrix (partial edge tiles count)."""
+        tile_rows, tile_cols = self.tile
+        return -(-rows // tile_rows), -(-cols // tile_cols)
 
     @cached_property
     def pieces(self) -> tuple[tuple[PayloadPiece, ...], ...]:
@@ -124,12 +140,11 @@ class Float8Payload:
                 continue
             matrix_rows, cols = self.tiles[name]
             rows = numel // cols
-            if matrix_rows == self.layout.by_name[name].numel // cols:  # a band of tile rows
+            if self._one_matrix(name):  # a band of tile rows
                 shape = (1, rows, cols)
             else:  # whole matrices
                 shape = (rows // matrix_rows, matrix_rows, cols)
-            tile_rows, tile_cols = self.tile
-            scales = shape[0] * math.ceil(shape[1] / tile_rows) * math.ceil(cols / tile_cols)
+            scales = shape[0] * math.prod(self.grid(shape[1], cols))
             scale_offset = _align(cursor + numel, a)
             placed.append(PayloadPiece(name, offset, numel, cursor, shape, scale_offset, scales))
             cursor = _align(scale_offset + scales * self.scale_bytes, a)

@@ -345,13 +345,9 @@ class _Packer:
             free = align % unit == 0 and seg % align == 0
             for j, i in enumerate(members):
                 if free and numel > holes.widest:
-                    first, stride = _align_up(cursor, align), _align_up(numel, align)
-                    last = first + (len(members) - j - 1) * stride
-                    if last + numel > limit:
+                    cursor = _back_to_back(offsets, members[j:], numel, cursor, align, limit)
+                    if cursor < 0:
                         return None
-                    for k, rest in enumerate(members[j:]):
-                        offsets[rest] = first + k * stride
-                    cursor = last + numel
                     break
                 start = holes.fill(numel, unit, step, seg)
                 if start >= 0:
@@ -392,6 +388,21 @@ class _Packer:
                 del kinds[best]
             cursor = best_start + best[0]
         return offsets
+
+
+def _back_to_back(
+    offsets: list[int], members: Sequence[int], numel: int, cursor: int, align: int, limit: int
+) -> int:
+    """Place ``members`` (tensors of ``numel`` elements) one after another from ``cursor``, each
+    at an aligned start; the new cursor, or -1 (nothing placed) if the last would pass
+    ``limit``."""
+    first, stride = _align_up(cursor, align), _align_up(numel, align)
+    last = first + (len(members) - 1) * stride
+    if last + numel > limit:
+        return -1
+    for k, i in enumerate(members):
+        offsets[i] = first + k * stride
+    return last + numel
 
 
 class _Holes:

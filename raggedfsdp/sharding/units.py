@@ -39,6 +39,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "NON_MUON_MODULES",
     "ExpertShardPolicy",
+    "Float8Tile",
     "GroupShardPolicy",
     "MuonShardPolicy",
     "ShardPolicy",
@@ -67,6 +68,7 @@ __all__ = [
     "shampoo_policy",
     "shampoo_slab_rows",
     "slice_units",
+    "tile_shape",
 ]
 
 #: ``(fully qualified name, parameter) -> unit in elements``; only ``param.shape`` is read.
@@ -492,7 +494,9 @@ def _expert_choice(name: str, unit: int, experts: int, rows: int, row: int) -> s
 Float8Tile = int | tuple[int, int]
 
 
-def _tile_shape(block: Float8Tile, what: str) -> tuple[int, int]:
+def tile_shape(block: Float8Tile, what: str) -> tuple[int, int]:
+    """``(rows, cols)`` of a tile given as ``block``; a one-line error naming ``what`` if it is
+    neither a positive int nor a pair of them."""
     dims = (block, block) if isinstance(block, int) else block
     if not (
         isinstance(dims, tuple)
@@ -520,7 +524,7 @@ def float8_tiles(fqn: str, shape: Sequence[int], block: Float8Tile = 128) -> tup
     when the row length is a multiple of the block, since an MX block is exactly that many
     elements (OCP MX v1.0).
     """
-    tile_rows, tile_cols = _tile_shape(block, "float8_tiles")
+    tile_rows, tile_cols = tile_shape(block, "float8_tiles")
     shape = tuple(shape)
     if len(shape) < 2:
         return None
@@ -540,7 +544,7 @@ def float8_block_policy(block: Float8Tile = 128) -> ShardPolicy:
     rows for MXFP8's one-row blocks), or a whole matrix where tiles restart at matrices that are
     not a multiple of the tile rows (unaligned experts); one element for tensors kept in the
     compute dtype. ``fully_shard`` combines it with the group's policy (LCM, ``combine``)."""
-    tile_rows = _tile_shape(block, "float8_block_policy")[0]
+    tile_rows = tile_shape(block, "float8_block_policy")[0]
 
     def unit(fqn: str, param: Any) -> int:
         shape = tuple(param.shape)
