@@ -12,7 +12,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from raggedfsdp.sharding.float8_payload import Float8Payload, eligible_tiles
+from raggedfsdp.sharding.float8_payload import (
+    FP8_BLOCK,
+    MX_BLOCK,
+    MX_SCALE_BYTES,
+    SCALE_BYTES,
+    Float8Payload,
+    eligible_tiles,
+)
 from raggedfsdp.sharding.planner import Layout
 from raggedfsdp.sharding.units import ShardPolicy, combine, float8_block_policy
 
@@ -26,8 +33,6 @@ __all__ = [
     "payload",
 ]
 
-FP8_BLOCK = 128  # DeepSeek-V3's tiles, what Float8Blocks() defaults to
-
 
 @dataclass(frozen=True)
 class GatherFormat:
@@ -40,8 +45,12 @@ class GatherFormat:
 
 
 FORMATS = {
-    "fp8": GatherFormat((FP8_BLOCK, FP8_BLOCK), 4, "FP8 all-gather (128x128 tiles)", "fp32 tile"),
-    "mxfp8": GatherFormat((1, 32), 1, "MXFP8 all-gather (1x32 blocks)", "e8m0 block"),
+    "fp8": GatherFormat(
+        (FP8_BLOCK, FP8_BLOCK), SCALE_BYTES, "FP8 all-gather (128x128 tiles)", "fp32 tile"
+    ),
+    "mxfp8": GatherFormat(
+        (1, MX_BLOCK), MX_SCALE_BYTES, "MXFP8 all-gather (1x32 blocks)", "e8m0 block"
+    ),
 }
 ALL_GATHER_KINDS = ("param", *FORMATS)
 

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from raggedfsdp.sharding.float8_payload import FP8_BLOCK
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
@@ -66,7 +68,7 @@ class Float8Blocks:
     it is gathered).
     """
 
-    block: int = 128
+    block: int = FP8_BLOCK
     strict: bool = False
     keep_weights: bool = False
 

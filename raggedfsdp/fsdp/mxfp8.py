@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from raggedfsdp.fsdp.float8 import FP8_DTYPE, FP8_MAX, decode_e4m3
+from raggedfsdp.sharding.float8_payload import MX_BLOCK
 
 __all__ = [
     "E8M0_BIAS",
@@ -52,7 +53,6 @@ __all__ = [
     "quantize_mx",
 ]
 
-MX_BLOCK = 32  # elements per block (OCP MX v1.0)
 E8M0_BIAS = 127  # the byte of 2^0
 E8M0_NAN = 0xFF
 _E_MIN, _E_MAX = -127, 127  # e8m0's finite exponents

@@ -27,10 +27,25 @@ from functools import cached_property
 from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, Layout
 from raggedfsdp.sharding.units import Float8Tile, float8_tiles, tile_shape
 
-__all__ = ["SCALE_BYTES", "Float8Payload", "PayloadPiece", "eligible_tiles"]
+__all__ = [
+    "FP8_BLOCK",
+    "MX_BLOCK",
+    "MX_SCALE_BYTES",
+    "SCALE_BYTES",
+    "Float8Payload",
+    "PayloadPiece",
+    "eligible_tiles",
+]
 
-#: Bytes of one 128x128 tile's scale (fp32); an MXFP8 block's e8m0 scale is one byte.
+# The two formats' geometry, shared by the runtime's policies (``Float8Blocks``,
+# ``MXFP8Blocks``) and the capacity planner's ``--all-gather`` kinds.
+#: DeepSeek-V3's tile side: ``Float8Blocks()``'s default; one fp32 scale per tile.
+FP8_BLOCK = 128
+#: Bytes of one 128x128 tile's scale (fp32).
 SCALE_BYTES = 4
+#: Elements of one MXFP8 block along a row (OCP MX v1.0), and its e8m0 scale's bytes.
+MX_BLOCK = 32
+MX_SCALE_BYTES = 1
 
 
 def _align(x: int, a: int) -> int:

@@ -12,6 +12,7 @@ from torch import nn
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.capacity import Group, Mesh, ModelShapes, Settings, estimate
 from raggedfsdp.capacity.cli import main
+from raggedfsdp.capacity.float8 import FORMATS
 from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 from raggedfsdp.fsdp.float8_gather import Float8Gather
 from raggedfsdp.fsdp.state import STATE_ATTR
@@ -81,3 +82,10 @@ def test_cli_mxfp8_pays_a_thirty_second_more_at_any_world_size(capsys):
         fp8 = json.loads(capsys.readouterr().out)["float8_all_gather_bytes"]
         assert fp8["scales"] == fp8["codes"] / 32  # one e8m0 byte per 32 codes
         assert 0.5156 < fp8["ratio"] < 0.52  # 1/2 + 1/64 and a little padding
+
+
+def test_planner_formats_are_the_runtime_policies_geometry():
+    """Each ``--all-gather`` kind tiles and scales as the policy ``fully_shard`` runs with."""
+    for kind, policy in (("fp8", Float8Blocks()), ("mxfp8", MXFP8Blocks())):
+        assert FORMATS[kind].tile == policy.tile, kind
+        assert FORMATS[kind].scale_bytes == policy.scale_dtype.itemsize, kind
