@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-from raggedfsdp.comm.launch import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -49,10 +47,10 @@ def run_once(run_dir: Path, steps: int, nproc: int) -> tuple[list[float], list[l
     """One training run; returns (losses per step, RSS samples per rank in MiB)."""
     shutil.rmtree(run_dir, ignore_errors=True)
     launch = f"--nnodes 1 --nproc-per-node {nproc} --rdzv-backend c10d --local-addr 127.0.0.1"
+    launch += " --rdzv-endpoint 127.0.0.1:0"  # the agent binds a free port itself: no race
     train = f"--steps {steps} --wandb-mode disabled --checkpoint-every 0 --resume never"
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", *launch.split()),
-        *("--rdzv-endpoint", f"127.0.0.1:{free_port()}"),
         *("-m", "recipes.llama.train", *train.split(), "--run-dir", str(run_dir)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

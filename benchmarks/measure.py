@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from raggedfsdp.comm.launch import free_port
+from raggedfsdp.comm.launch import join_local_group, serving_store
 from raggedfsdp.fsdp import param_group as param_group_module
 
 __all__ = [
@@ -145,12 +145,11 @@ class CollectiveBytes:
                 setattr(owner, name, fn)
 
 
-def init_gloo(rank: int, world: int, port: int) -> None:
-    """Join the benchmark's gloo group, one intra-op thread share per rank."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+def init_gloo(rank: int, world: int, port: int, threads: int | None = None) -> None:
+    """Join the benchmark's gloo group, whose store the launching process serves on ``port``
+    (``serving_store``), with ``threads`` intra-op threads (default: a share of the cores)."""
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
+    join_local_group(rank, world, port)
 
 
 def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: int) -> Any:
@@ -159,7 +158,8 @@ def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: in
     os.environ.update(MALLOC_ENV)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    mp.start_processes(
-        worker, args=(world, free_port(), args, out), nprocs=world, start_method="spawn"
-    )
+    with serving_store() as port:
+        mp.start_processes(
+            worker, args=(world, port, args, out), nprocs=world, start_method="spawn"
+        )
     return out.get()

@@ -30,16 +30,13 @@ from fsdp_vs_fsdp2 import (
     build_floor,
     gathered_bytes,
 )
-from measure import MALLOC_ENV
+from measure import MALLOC_ENV, init_gloo
 
-from raggedfsdp.comm.launch import free_port
+from raggedfsdp.comm.launch import serving_store
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(max(1, os.cpu_count() // world))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_gloo(rank, world, port)
     if args.system == "floor":  # no FSDP, no optimizer: what every FSDP holds on top of its own
         model, opt = build_floor(args), None
     else:
@@ -83,12 +80,13 @@ def main() -> None:
     add_model_arguments(parser)
     args = parser.parse_args()
     os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts
-    mp.start_processes(
-        _worker,
-        args=(args.world_size, free_port(), args),
-        nprocs=args.world_size,
-        start_method="spawn",
-    )
+    with serving_store() as port:
+        mp.start_processes(
+            _worker,
+            args=(args.world_size, port, args),
+            nprocs=args.world_size,
+            start_method="spawn",
+        )
 
 
 if __name__ == "__main__":

@@ -44,16 +44,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from measure import init_gloo
 from torch.distributed.tensor.debug import CommDebugMode
 
-from raggedfsdp.comm.launch import free_port
+from raggedfsdp.comm.launch import serving_store
 from raggedfsdp.optim import Muon
 from raggedfsdp.optim.muon import newton_schulz
 from raggedfsdp.sharding import FlatBuffer, RaggedShard, RaggedTensor, TensorSpec, plan_layout
@@ -286,10 +286,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
     from torch.distributed.tensor import DTensor
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_gloo(rank, world, port)
     shapes = {f"l{i}.{n}": s for i in range(args.layers) for n, s in layer_shapes(args.dim).items()}
     grads = [
         {
@@ -397,13 +394,10 @@ def run_worlds(args: argparse.Namespace) -> None:
     results = []
     for world in args.worlds:
         queue = ctx.Queue()
-        mp.start_processes(
-            _worker,
-            args=(world, free_port(), args, queue),
-            nprocs=world,
-            start_method="spawn",
-            join=True,
-        )
+        with serving_store() as port:
+            mp.start_processes(
+                _worker, args=(world, port, args, queue), nprocs=world, start_method="spawn"
+            )
         results.append(queue.get())
     print(f"{'W':>2} {'variant':>10} {'median ms':>10} {'MB recv':>9} {'ratio ours/x':>13}")
     summary = {"dim": args.dim, "layers": args.layers, "rounds": args.rounds, "worlds": {}}

@@ -35,17 +35,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from measure import MALLOC_ENV, init_gloo
 
+from raggedfsdp.comm.launch import serving_store
 from raggedfsdp.optim import AdamW, AdamW8bit
 from raggedfsdp.sharding import FlatBuffer, RaggedTensor, TensorSpec, plan_layout
 
@@ -54,12 +54,6 @@ from raggedfsdp.sharding import FlatBuffer, RaggedTensor, TensorSpec, plan_layou
 #: one fp32 scale per 256-element block and moment, read and written.
 ADAMW_BYTES = 4 * 3 + 4 * 2 * 2
 ADAMW8BIT_BYTES = 4 * 3 + 1 * 2 * 2 + 4 * 2 * 2 / 256
-
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "65536",
-    "MALLOC_ARENA_MAX": "1",
-    "MALLOC_TRIM_THRESHOLD_": "65536",
-}
 
 
 def model_shapes(layers: int = 6, d: int = 768, vocab: int = 8192) -> dict[str, tuple[int, ...]]:
@@ -237,9 +231,7 @@ class _Stack(torch.nn.Module):
 
 
 def _memory_worker(rank: int, world: int, port: int, variant: str, out) -> None:
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=120))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    init_gloo(rank, world, port, threads=1)
     base = _rss_kb("VmRSS")
     torch.manual_seed(0)
     model = _Stack()
@@ -273,20 +265,18 @@ def _memory_worker(rank: int, world: int, port: int, variant: str, out) -> None:
 def measure_memory(variant: str, world: int = 2) -> dict[str, float]:
     for k, v in MALLOC_ENV.items():
         os.environ[k] = v  # inherited by the spawned ranks (read by glibc at start-up)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_memory_worker, args=(r, world, port, variant, out))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    with serving_store() as port:
+        procs = [
+            ctx.Process(target=_memory_worker, args=(r, world, port, variant, out))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results = sorted(out.get(timeout=600) for _ in procs)
+        for p in procs:
+            p.join()
     return {
         "resident_mb": max(r[1] for r in results),
         "peak_mb": max(r[2] for r in results),

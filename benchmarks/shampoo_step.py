@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from measure import init_gloo
 
 SHAPES = {
     f"l{i}.{name}": shape
@@ -239,10 +240,7 @@ def side_by_side(block: int, repeats: int, freq: int) -> dict:
 def _world_worker(rank: int, world: int, port: int, blocks: list[int], steps: int, out) -> None:
     from raggedfsdp.optim import Shampoo
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    init_gloo(rank, world, port, threads=1)
     results = {}
     for block in blocks:
         params = _params(block, rank, world)
@@ -272,18 +270,19 @@ def world_sizes(worlds: list[int], blocks: list[int], steps: int) -> dict:
     """Part 2: the step at each world size (one process per rank, one thread each)."""
     import torch.multiprocessing as mp
 
-    from raggedfsdp.comm.launch import free_port
+    from raggedfsdp.comm.launch import serving_store
 
     rows = {}
     ctx = mp.get_context("spawn")
     for world in worlds:
         out = ctx.Queue()
-        mp.start_processes(
-            _world_worker,
-            args=(world, free_port(), blocks, steps, out),
-            nprocs=world,
-            start_method="spawn",
-        )
+        with serving_store() as port:
+            mp.start_processes(
+                _world_worker,
+                args=(world, port, blocks, steps, out),
+                nprocs=world,
+                start_method="spawn",
+            )
         rows[world] = out.get()
     return rows
 

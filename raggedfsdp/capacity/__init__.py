@@ -1,9 +1,9 @@
 """Capacity planning: will a model fit, how much padding and traffic does a layout cost?
 
-``raggedfsdp plan llama3-70b --world-size 1024`` (or ``python -m raggedfsdp.plan``, the old
-name of this package, kept) plans every distinct FSDP group of a model with the structure-aware
-planner and estimates, per rank, the memory of parameters, gradients, optimizer state and
-unsharded buffers, the padding against the lower bound and FSDP2's rule, the all-gather /
+``raggedfsdp plan llama3-70b --world-size 1024`` (or ``python -m raggedfsdp.capacity plan ...``,
+the same program) plans every distinct FSDP group of a model with the structure-aware planner
+and estimates, per rank, the memory of parameters, gradients, optimizer state and unsharded
+buffers, the padding against the lower bound and FSDP2's rule, the all-gather /
 reduce-scatter bytes of a step and Muon's owner balance. Pure Python and numpy (no process
 group, no GPU), so it answers for 100,000 ranks in seconds.
 

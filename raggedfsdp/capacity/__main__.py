@@ -1,6 +1,6 @@
-"""``python -m raggedfsdp.capacity`` (or ``python -m raggedfsdp.plan``): see
-:mod:`raggedfsdp.capacity.cli`."""
+"""``python -m raggedfsdp.capacity``: the ``raggedfsdp`` program (:mod:`raggedfsdp.capacity.cli`)
+under the name it was started by."""
 
-from raggedfsdp.capacity.cli import main
+from raggedfsdp.capacity.cli import MODULE_PROG, console_main
 
-raise SystemExit(main(prog="python -m raggedfsdp.capacity"))
+raise SystemExit(console_main(prog=MODULE_PROG))

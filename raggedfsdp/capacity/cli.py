@@ -1,4 +1,7 @@
-"""Command line: ``python -m raggedfsdp.plan MODEL ...`` and the ``raggedfsdp plan`` script.
+"""Command line: the ``raggedfsdp`` program, whose one subcommand so far is ``plan``.
+
+The console script (``raggedfsdp plan MODEL ...``) and ``python -m raggedfsdp.capacity plan
+MODEL ...`` are one program built by :func:`build_parser`; only the name in the messages differs.
 
 Errors in the input (unknown preset, malformed config or shapes file, impossible mesh, bad unit)
 are reported as one line naming the input and the fix, with exit status 2, like argparse's own.
@@ -26,16 +29,22 @@ from raggedfsdp.capacity.report import render
 from raggedfsdp.capacity.settings import BACKENDS, Mesh, Precision, Settings
 from raggedfsdp.sharding.units import DEFAULT_MAX_EXTRA_PADDING
 
-__all__ = ["build_parser", "console_main", "main"]
+__all__ = ["MODULE_PROG", "PROG", "build_parser", "console_main", "main"]
 
+#: The program's name as the console script (``pyproject.toml``) and as a module.
+PROG = "raggedfsdp"
+MODULE_PROG = "python -m raggedfsdp.capacity"
 SIGPIPE_STATUS = 141  # 128 + SIGPIPE (13): a shell's status for a process a closed pipe ended
 
+DESCRIPTION = """\
+Capacity planner: per-rank memory, padding, traffic and Muon balance of a model
+under raggedfsdp's structure-aware sharding, before you rent the GPUs."""
 EXAMPLES = """examples:
-  python -m raggedfsdp.plan llama3-70b --world-size 1024
-  python -m raggedfsdp.plan deepseek-v3 --mesh 8x256 --unit-rows 128 --optimizer adamw8bit
-  python -m raggedfsdp.plan path/to/config.json -w 64 --experts fused --optimizer muon --json
-  python -m raggedfsdp.plan shapes.json --model my-model -w 8 --gpu-memory 80
-  python -m raggedfsdp.plan deepseek-v3 -w 256 --experts fused --all-gather fp8
+  {prog} plan llama3-70b --world-size 1024
+  {prog} plan deepseek-v3 --mesh 8x256 --unit-rows 128 --optimizer adamw8bit
+  {prog} plan path/to/config.json -w 64 --experts fused --optimizer muon --json
+  {prog} plan shapes.json --model my-model -w 8 --gpu-memory 80
+  {prog} plan deepseek-v3 -w 256 --all-gather fp8
 """
 
 
@@ -109,14 +118,35 @@ def _add_whole_units(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """The whole program, ``PROG plan ...``: one parser for the console script and the module,
+    so their usage, help and errors are the same. Its help shows ``plan``'s usage line too,
+    since that is the command everyone runs."""
+    examples = EXAMPLES.format(prog=prog)
     parser = _Parser(
         prog=prog,
-        description="Capacity planner: per-rank memory, padding, traffic and Muon balance of "
-        "a model under raggedfsdp's structure-aware sharding, before you rent the GPUs.",
-        epilog=EXAMPLES,
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    commands = parser.add_subparsers(
+        title="commands", dest="command", metavar="COMMAND", required=True
+    )
+    plan = commands.add_parser(
+        "plan",
+        help="plan a model's FSDP layout and estimate its per-rank memory and traffic",
+        description=DESCRIPTION,
+        epilog=examples,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_plan_arguments(plan)
+    plan.set_defaults(parser=plan)  # for errors that only the whole command line shows
+    parser.epilog = (
+        f"{plan.format_usage()}\n{examples}\n'{prog} plan --help' explains every option."
+    )
+    return parser
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "model",
         help=f"a preset ({', '.join(preset_names())}), a Hugging Face config.json or a shapes "
@@ -179,7 +209,6 @@ def build_parser(prog: str = "python -m raggedfsdp.plan") -> argparse.ArgumentPa
         help="say whether the estimate fits in this much memory per GPU",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    return parser
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -205,11 +234,20 @@ def _settings(args: argparse.Namespace) -> Settings:
     )
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m raggedfsdp.plan") -> int:
-    """Run the planner; returns the exit status (0, 2 for bad input, 141 for a closed pipe)."""
+def main(argv: Sequence[str], prog: str = PROG) -> int:
+    """``PROG plan ARGV``: the plan command, for library use and tests."""
+    return console_main(["plan", *argv], prog)
+
+
+def console_main(argv: Sequence[str] | None = None, prog: str = PROG) -> int:
+    """The program (the ``raggedfsdp`` console script, ``python -m raggedfsdp.capacity``);
+    returns the exit status (0, 2 for bad input, 141 for a closed pipe)."""
     try:
         try:
-            return _plan(argv, prog)
+            args, unknown = build_parser(prog).parse_known_args(argv)
+            if unknown:  # the subcommand's error: its usage is the one to read
+                args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+            return _plan(args, args.parser.prog)
         finally:  # also after --help: a closed pipe fails here, not at the interpreter's exit
             sys.stdout.flush()
     except BrokenPipeError:
@@ -226,9 +264,7 @@ def _reader_gone() -> int:
     return SIGPIPE_STATUS
 
 
-def _plan(argv: Sequence[str] | None, prog: str) -> int:
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
+def _plan(args: argparse.Namespace, prog: str) -> int:
     try:
         settings = _settings(args)
         model = load_model(args.model, model=args.model_name, experts=args.experts)
@@ -245,16 +281,3 @@ def _plan(argv: Sequence[str] | None, prog: str) -> int:
     else:
         print(render(result, args.gpu_memory))
     return 0
-
-
-def console_main(argv: Sequence[str] | None = None) -> int:
-    """The ``raggedfsdp`` console script: ``raggedfsdp plan ...`` (the one subcommand so far)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "plan":
-        print(
-            "usage: raggedfsdp plan MODEL (-w W | --mesh RxS) [options]\n"
-            "       raggedfsdp plan --help",
-            file=sys.stderr,
-        )
-        return 2
-    return main(argv[1:], prog="raggedfsdp plan")

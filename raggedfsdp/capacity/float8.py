@@ -36,20 +36,29 @@ __all__ = [
 
 @dataclass(frozen=True)
 class GatherFormat:
-    """What one ``--all-gather`` kind sends per quantized weight: tiles and their scales."""
+    """What one ``--all-gather`` kind sends per quantized weight, and the report's words for it."""
 
     tile: tuple[int, int]  # (rows, cols) of one tile
     scale_bytes: int  # bytes of one tile's scale
-    title: str  # the report's heading
+    geometry: str  # tiles and scales, for the report's heading
+    units: str  # the units ``float8_block_policy`` gives a tiled weight
     scales: str  # the report's name for the scales
 
 
 FORMATS = {
     "fp8": GatherFormat(
-        (FP8_BLOCK, FP8_BLOCK), SCALE_BYTES, "FP8 all-gather (128x128 tiles)", "fp32 tile"
+        (FP8_BLOCK, FP8_BLOCK),
+        SCALE_BYTES,
+        f"{FP8_BLOCK}x{FP8_BLOCK} tiles, fp32 scales",
+        f"{FP8_BLOCK}-row units",
+        "fp32 tile",
     ),
     "mxfp8": GatherFormat(
-        (1, MX_BLOCK), MX_SCALE_BYTES, "MXFP8 all-gather (1x32 blocks)", "e8m0 block"
+        (1, MX_BLOCK),
+        MX_SCALE_BYTES,
+        f"1x{MX_BLOCK} blocks, e8m0 scales",
+        "1-row units",
+        "e8m0 block",
     ),
 }
 ALL_GATHER_KINDS = ("param", *FORMATS)

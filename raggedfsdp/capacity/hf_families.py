@@ -28,6 +28,8 @@ class Family:
         sandwich: norms before and after the MLP as well (Gemma-2, Gemma-3).
         mla: DeepSeek's multi-head latent attention (low-rank q and compressed kv).
         moe: which MoE layout sparse layers take (``MOE_KINDS``), ``None`` for dense families.
+        shared_expert: Qwen2-MoE's gated shared expert beside the routed ones (its
+            ``shared_expert_intermediate_size``); Qwen3-MoE dropped it, so its configs lack the key.
         router_bias: the router's ``e_score_correction_bias`` (DeepSeek-V3's aux-loss-free load
             balancing; the checkpoints carry it), unless ``topk_method`` names another router.
     """
@@ -39,6 +41,7 @@ class Family:
     sandwich: bool = False
     mla: bool = False
     moe: str | None = None
+    shared_expert: bool = False
     router_bias: bool = False
 
 
@@ -47,7 +50,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family(),
     "mixtral": Family(moe="mixtral"),
     "qwen2": Family(qkv_bias=True),
-    "qwen2_moe": Family(qkv_bias=True, moe="qwen"),
+    "qwen2_moe": Family(qkv_bias=True, moe="qwen", shared_expert=True),
     "qwen3": Family(qk_norm=True),
     "qwen3_moe": Family(qk_norm=True, moe="qwen"),
     "gemma": Family(tied=True),

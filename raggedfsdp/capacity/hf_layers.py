@@ -112,7 +112,7 @@ def _moe(c: ConfigKeys, family: Family, hidden: int, experts: str) -> Tensors:
     else:
         for e in range(n):
             t += _mlp(c, f"mlp.experts.{e}", hidden, ffn)
-    if family.moe == "qwen":
+    if family.shared_expert:
         t += _mlp(c, "mlp.shared_expert", hidden, c.integer("shared_expert_intermediate_size"))
         t.append(("mlp.shared_expert_gate.weight", (1, hidden)))
     if family.moe == "deepseek" and c.get("n_shared_experts") is not None:

@@ -37,6 +37,7 @@ HSDP replicate all-reduce moves ``2 (R - 1) / R * S``. ZeRO-3 gathers every non-
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -45,7 +46,13 @@ from typing import Any
 
 import numpy as np
 
-from raggedfsdp.capacity.float8 import float8_summary, gather_policy, payload
+from raggedfsdp.capacity.float8 import (
+    ALL_GATHER_KINDS,
+    FORMATS,
+    float8_summary,
+    gather_policy,
+    payload,
+)
 from raggedfsdp.capacity.model_shapes import Group, ModelShapes, PlanError
 from raggedfsdp.capacity.muon import MuonBalance, muon_balance
 from raggedfsdp.capacity.optimizer_state import counter_bytes, state_per_rank
@@ -110,7 +117,7 @@ class Estimate:
     muon: MuonBalance | None
     notes: list[str]
     elapsed_s: float
-    float8: dict[str, float] | None = None  # --all-gather fp8|mxfp8: one gather of every group
+    float8: dict[str, Any] | None = None  # --all-gather fp8|mxfp8 (see ``_float8``)
 
     def to_dict(self) -> dict[str, Any]:
         s, mesh = self.settings, self.settings.mesh
@@ -123,7 +130,7 @@ class Estimate:
                 "fsdp_groups": self.model.num_fsdp_groups,
             },
             "mesh": {"replicate": mesh.replicate, "shard": mesh.shard, "world": mesh.world_size},
-            "unit": s.units.describe(),
+            "unit": s.describe_units(),
             "optimizer": s.optimizer.name,
             "precision": {
                 "param": s.precision.param,
@@ -211,34 +218,72 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
             f"--unit expert: model {model.name!r} has no expert tensors (names with "
             "'experts.'); use --unit-rows K or --unit matrix"
         )
+    plans, sequence = _plan_model(model, settings)
+    counters = counter_bytes(settings.optimizer, [t for g in model.groups for t in g.tensors])
+    memory, phase = _memory(plans, sequence, settings, counters)
+    muon = None
+    if settings.optimizer.name == "muon":
+        muon = muon_balance(sequence, settings.mesh.shard, settings.optimizer.ns_steps)
+    float8 = _float8(model, settings, plans, sequence)
+    return Estimate(
+        model=model,
+        settings=settings,
+        plans=plans,
+        memory=memory,
+        peak_phase=phase,
+        padding=_padding(plans, model.numel),
+        traffic=_traffic(sequence, settings),
+        muon=muon,
+        notes=_notes(plans, settings),
+        elapsed_s=time.perf_counter() - t0,
+        float8=float8,
+    )
+
+
+#: A model's groups in forward order, each as (its distinct group's plan, whether it is a root).
+Walk = list[tuple[GroupPlan, bool]]
+
+
+def _plan_model(model: ModelShapes, settings: Settings) -> tuple[list[GroupPlan], Walk]:
+    """Every distinct group planned once, and the model's groups in order as (plan, root)."""
     instances: dict[tuple, int] = {}
     for g in model.groups:
         instances[g.tensors] = instances.get(g.tensors, 0) + g.repeat
     firsts = {g.tensors: g for g in reversed(model.groups)}
     plans = {key: _plan_group(firsts[key], n, settings) for key, n in instances.items()}
     sequence = [(plans[g.tensors], g.root) for g in model.groups for _ in range(g.repeat)]
-    counters = counter_bytes(settings.optimizer, [t for g in model.groups for t in g.tensors])
-    memory, phase = _memory(plans.values(), sequence, settings, counters)
-    muon = None
-    if settings.optimizer.name == "muon":
-        muon = muon_balance(sequence, settings.mesh.shard, settings.optimizer.ns_steps)
-    return Estimate(
-        model=model,
-        settings=settings,
-        plans=list(plans.values()),
-        memory=memory,
-        peak_phase=phase,
-        padding=_padding(plans.values(), model.numel),
-        traffic=_traffic(sequence, settings),
-        muon=muon,
-        notes=_notes(plans.values(), settings),
-        elapsed_s=time.perf_counter() - t0,
-        float8=(
-            float8_summary(plans.values(), settings.precision.bytes("param"), settings.all_gather)
-            if settings.all_gather != "param"
-            else None
-        ),
-    )
+    return list(plans.values()), sequence
+
+
+def _float8(
+    model: ModelShapes, settings: Settings, plans: list[GroupPlan], sequence: Walk
+) -> dict[str, Any] | None:
+    """With an FP8 gather: its payload split (``float8_summary``) and how its per-step bytes,
+    padding included, compare with FSDP2's param-dtype gather, beside every other
+    ``--all-gather`` kind planned the same way. The FP8 units can pad far more than they save
+    (128-row units at large W), so the ratio to the same layout's param-dtype gather alone
+    would hide it; ``suggested`` names a kind that moves fewer bytes, if one does."""
+    kind = settings.all_gather
+    if kind == "param":
+        return None
+    ratios = {kind: _fsdp2_gather_ratio(sequence, settings)}
+    for other in ALL_GATHER_KINDS:
+        if other != kind:
+            alternative = dataclasses.replace(settings, all_gather=other)
+            ratios[other] = _fsdp2_gather_ratio(_plan_model(model, alternative)[1], alternative)
+    best = min(ratios, key=ratios.__getitem__)
+    summary = float8_summary(plans, settings.precision.bytes("param"), kind)
+    return {
+        **summary,
+        "payload_padding_pct": 100 * summary["padding"] / max(summary["payload"], 1.0),
+        "format": kind,
+        "tile": list(FORMATS[kind].tile),
+        "scale_bytes": FORMATS[kind].scale_bytes,
+        "units": FORMATS[kind].units,
+        "fsdp2_ratio": ratios[kind],
+        "fsdp2_ratios": ratios,
+        "suggested": best if ratios[best] < ratios[kind] else None,
+    }
 
 
 def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[str, float], str]:
@@ -345,19 +390,34 @@ def _padding(plans, numel: int) -> dict[str, float]:
     }
 
 
+def _gathers(root: bool, settings: Settings) -> int:
+    """All-gathers of a group per step: ZeRO-3 gathers it again for backward, except the root,
+    which stays gathered."""
+    return 1 if root or not settings.reshard_after_forward else 2
+
+
 def _traffic(sequence, settings: Settings) -> dict[str, float]:
     prec, world, rep = settings.precision, settings.mesh.shard, settings.mesh.replicate
     pb, rb = prec.bytes("param"), prec.bytes("reduce")
     ours = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     fsdp2 = dict.fromkeys(ours, 0.0)
     for plan, root in sequence:
-        gathers = 1 if root or not settings.reshard_after_forward else 2
+        gathers = _gathers(root, settings)
         for out, seg in ((ours, plan.segment), (fsdp2, plan.fsdp2_shard)):
             size = plan.gather_bytes if out is ours else seg * pb
             out["all_gather"] += gathers * (world - 1) * size
             out["reduce_scatter"] += (world - 1) * seg * rb
             out["all_reduce"] += 2 * (rep - 1) / rep * seg * rb
     return {**ours, **{f"fsdp2_{k}": v for k, v in fsdp2.items()}}
+
+
+def _fsdp2_gather_ratio(sequence: Walk, settings: Settings) -> float:
+    """A step's all-gather bytes over FSDP2's param-dtype ones, padding included: the
+    traffic's ratio, with ``W - 1`` cancelled so that W = 1 has one too."""
+    pb = settings.precision.bytes("param")
+    ours = sum(_gathers(root, settings) * plan.gather_bytes for plan, root in sequence)
+    fsdp2 = sum(_gathers(root, settings) * plan.fsdp2_shard * pb for plan, root in sequence)
+    return ours / max(fsdp2, 1)
 
 
 def _notes(plans, settings: Settings) -> list[str]:

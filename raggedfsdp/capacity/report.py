@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raggedfsdp.capacity.float8 import FORMATS, GatherFormat
+from raggedfsdp.capacity.float8 import FORMATS
 from raggedfsdp.capacity.memory import Estimate
 from raggedfsdp.capacity.muon import MuonBalance
 
@@ -39,10 +39,12 @@ def render(est: Estimate, gpu_memory_gib: float | None = None) -> str:
     lines = [*_settings(est), "", *_memory(est, gpu_memory_gib), "", *_padding(est)]
     lines += ["", *_traffic(est)]
     if est.float8 is not None:
-        lines += ["", *_float8(est.float8, FORMATS[est.settings.all_gather])]
+        lines += ["", *_float8(est)]
     if est.muon is not None:
         lines += ["", _muon(est.muon)]
-    lines += ["", *_groups(est), "", "Notes"] + [f"  - {note}" for note in est.notes]
+    lines += ["", *_groups(est)]
+    if est.notes:
+        lines += ["", "Notes", *(f"  - {note}" for note in est.notes)]
     lines.append(f"\nplanned in {est.elapsed_s:.2f} s")
     return "\n".join(lines)
 
@@ -55,7 +57,7 @@ def _settings(est: Estimate) -> list[str]:
         f"{m.name}: {_count(m.numel)} parameters in {m.num_fsdp_groups:,} FSDP groups "
         f"({len(est.plans)} distinct); {m.source}",
         f"mesh {mesh.replicate} x {mesh.shard} (replicate x shard) = {mesh.world_size:,} ranks | "
-        f"unit: {s.units.describe()} | {s.optimizer.describe()}",
+        f"unit: {s.describe_units()} | {s.optimizer.describe()}",
         f"param {prec.param}, master {prec.master}, reduce {prec.reduce} | {zero} | "
         f"backend {s.backend}",
     ]
@@ -114,19 +116,40 @@ def _traffic(est: Estimate) -> list[str]:
     ]
 
 
-def _float8(f: dict[str, float], fmt: GatherFormat) -> list[str]:
+def _float8(est: Estimate) -> list[str]:
+    """The FP8 gather's format, its bytes per step against FSDP2's param-dtype gather (what the
+    wire carries, padding included), a better ``--all-gather`` kind if one moves fewer, then
+    one gather of every group split into codes, scales, kept tensors and padding."""
+    f, kind, param = est.float8, est.settings.all_gather, est.settings.precision.param
+    fmt, t = FORMATS[kind], est.traffic
     rows = [
         ["FP8 codes", format_bytes(f["codes"])],
         [f"{fmt.scales} scales", format_bytes(f["scales"])],
         ["tensors kept in the param dtype", format_bytes(f["kept"])],
         ["padding (ranks' segments are equal)", format_bytes(f["padding"])],
         ["FP8 payload", format_bytes(f["payload"])],
-        ["param-dtype gather of the same layout", format_bytes(f["param_gather"])],
+        [f"{param} gather of the same layout", format_bytes(f["param_gather"])],
     ]
     return [
-        f"{fmt.title}, one gather of every group: {f['ratio']:.4f}x the param-dtype bytes",
+        f"FP8 all-gather: {kind} ({fmt.geometry}, {fmt.units})",
+        f"  per step {f['fsdp2_ratio']:.2f}x the bytes of FSDP2's {param} all-gather "
+        f"({format_bytes(t['all_gather'])} vs {format_bytes(t['fsdp2_all_gather'])} sent per "
+        f"rank); padding is {f['payload_padding_pct']:.1f} % of the payload",
+        f"  {_better_format(f, kind, param)}",
+        f"  one gather of every group: the payload is {f['ratio']:.4f}x the {param} gather "
+        "of the same layout",
         *_table(["", "bytes"], rows)[1:],
     ]
+
+
+def _better_format(f: dict, kind: str, param: str) -> str:
+    """The ``--all-gather`` kind that moves the fewest bytes here, or that ``kind`` does."""
+    ratios, best = f["fsdp2_ratios"], f["suggested"]
+    if best is None:
+        others = ", ".join(f"{k} {r:.2f}x" for k, r in ratios.items() if k != kind)
+        return f"{kind} moves the fewest bytes of the --all-gather kinds here ({others})"
+    name = f"a {param} gather" if best == "param" else best
+    return f"{name} would move {ratios[best]:.2f}x FSDP2's bytes here (--all-gather {best})"
 
 
 def _muon(mu: MuonBalance) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from raggedfsdp.capacity.float8 import ALL_GATHER_KINDS
+from raggedfsdp.capacity.float8 import ALL_GATHER_KINDS, FORMATS
 from raggedfsdp.capacity.model_shapes import PlanError
 from raggedfsdp.capacity.policies import OptimizerSpec, UnitPolicy
 from raggedfsdp.sharding.planner import DEFAULT_ALIGNMENT_BYTES, dtype_itemsize
@@ -114,3 +114,11 @@ class Settings:
             raise PlanError(
                 f"--all-gather {self.all_gather!r}: choose one of {list(ALL_GATHER_KINDS)}"
             )
+
+    def describe_units(self) -> str:
+        """The user's unit and, with an FP8 gather, the tile units ``fully_shard`` combines it
+        with: those set the padding then, so the report names them."""
+        units = self.units.describe()
+        if self.all_gather not in FORMATS:
+            return units
+        return f"{units}; {FORMATS[self.all_gather].units} for {self.all_gather}'s tiles"

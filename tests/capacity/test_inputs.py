@@ -250,7 +250,7 @@ def _cli_error(capsys, argv: list[str]) -> str:
 )
 def test_bad_options_are_one_line(capsys, argv: list[str], message: str) -> None:
     err = _cli_error(capsys, ["llama3-8b", *argv])
-    assert err.startswith("python -m raggedfsdp.plan: error: ") and message in err, err
+    assert err.startswith("raggedfsdp plan: error: ") and message in err, err
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ root, with bf16 compute, fp32 master weights and fp32 reduction (the planner's d
 trained with ``torch.optim.AdamW`` on two gloo ranks. Each rank measures its live tensor bytes
 exactly: the profiler's memory events report every CPU allocation and free of the training
 thread, so the running sum is the live tensor memory at every instant. The peak over a steady
-step (optimizer state already created) is compared with ``python -m raggedfsdp.plan`` fed the
+step (optimizer state already created) is compared with ``raggedfsdp plan`` fed the
 same shapes, W, optimizer and backend.
 
 What the estimate leaves out, the measurement keeps: activations (tiny here, reported as

@@ -12,7 +12,6 @@ from torch import nn
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.capacity import Group, Mesh, ModelShapes, Settings, estimate
 from raggedfsdp.capacity.cli import main
-from raggedfsdp.capacity.float8 import FORMATS
 from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 from raggedfsdp.fsdp.float8_gather import Float8Gather
 from raggedfsdp.fsdp.state import STATE_ATTR
@@ -84,8 +83,37 @@ def test_cli_mxfp8_pays_a_thirty_second_more_at_any_world_size(capsys):
         assert 0.5156 < fp8["ratio"] < 0.52  # 1/2 + 1/64 and a little padding
 
 
-def test_planner_formats_are_the_runtime_policies_geometry():
-    """Each ``--all-gather`` kind tiles and scales as the policy ``fully_shard`` runs with."""
-    for kind, policy in (("fp8", Float8Blocks()), ("mxfp8", MXFP8Blocks())):
-        assert FORMATS[kind].tile == policy.tile, kind
-        assert FORMATS[kind].scale_bytes == policy.scale_dtype.itemsize, kind
+#: One rank, so every payload byte is content, and every region a multiple of the 16-byte
+#: alignment: codes, the scales of a (256, 512) weight, and a norm kept in bf16.
+ONE_RANK = {"up": (256, 512), "norm": (256,)}
+#: The published formats' bytes for ONE_RANK, counted by hand: DeepSeek-V3's 128x128 tiles
+#: with one fp32 scale each, OCP MX's 1x32 blocks with one e8m0 byte each.
+BY_HAND = {
+    "fp8": 256 * 512 + (256 // 128) * (512 // 128) * 4 + 256 * 2,
+    "mxfp8": 256 * 512 + 256 * (512 // 32) * 1 + 256 * 2,
+}
+
+
+def _one_rank_gather(fmt: Float8Blocks | MXFP8Blocks) -> int:
+    """Bytes the runtime's group all-gathers once (its own counter), in this process (W = 1)."""
+    model = nn.Module()
+    for name, shape in ONE_RANK.items():
+        model.register_parameter(name, nn.Parameter(torch.randn(shape)))
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=fmt))
+    group = getattr(model, STATE_ATTR).group
+    model.unshard()
+    model.reshard()
+    return group.all_gather_bytes
+
+
+@pytest.mark.parametrize(
+    ("kind", "fmt"), [("fp8", Float8Blocks(128)), ("mxfp8", MXFP8Blocks())], ids=["fp8", "mxfp8"]
+)
+def test_planner_bytes_are_what_the_runtime_gathers_with_the_policy(kind, fmt):
+    """The planner's ``--all-gather`` kind against a group gathering with the policy a user
+    passes, and both against the format's published geometry: a planner tile or scale that
+    differs from the policy's (or from the format's) changes the bytes."""
+    shapes = ModelShapes("one", "test", (Group("block", 1, tuple(ONE_RANK.items())),))
+    est = estimate(shapes, Settings(Mesh(1, 1), all_gather=kind))
+    assert est.float8["payload"] == est.plans[0].gather_bytes == _one_rank_gather(fmt)
+    assert est.float8["payload"] == BY_HAND[kind]

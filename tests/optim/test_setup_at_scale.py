@@ -6,12 +6,16 @@ and the exchange of the slabs a layout cuts, the unit-alignment check. All of it
 in W (per-rank queries O(1) after the spec's O(W) precompute), or a 100,000-rank job spends
 minutes before its first step. Pieces here are those of rank ``W // 3`` of a planned layout
 whose every rank holds a few dozen elements, so only the bookkeeping costs anything.
+
+The cost is the number of lines of the package's Python that run (``tests/support/work.py``),
+bounded per rank of W: deterministic on any machine, where a CPU-seconds budget flaked under
+load. A per-rank pass costs a few lines per rank; a per-job or per-piece scan over every rank,
+the bug these tests guard against, costs thousands. Times are in ``benchmarks/``.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -25,6 +29,7 @@ from raggedfsdp.optim.owner_compute import ExchangePlan
 from raggedfsdp.sharding import RaggedShard, RaggedTensor, TensorSpec, plan_layout
 from raggedfsdp.sharding.blocks import ShampooBlocks
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
+from tests.support.work import counted_lines
 
 W = 100_000
 RANK = W // 3
@@ -55,12 +60,17 @@ def _imported() -> None:
 
 
 @contextmanager
-def _cpu_seconds(budget: float, what: str) -> Iterator[None]:
-    """CPU time of this process (not wall time: other jobs share the machine)."""
-    start = time.process_time()
-    yield
-    elapsed = time.process_time() - start
-    assert elapsed < budget, f"{what} took {elapsed:.1f} s of CPU at W={W:,} (budget {budget} s)"
+def _linear_work(lines_per_rank: float, what: str) -> Iterator[None]:
+    """At most ``lines_per_rank * W`` lines of the package run inside the block (today's code
+    runs under half of each bound: about 9 lines per rank for Muon and AdamW8bit, 20 for
+    Shampoo)."""
+    with counted_lines() as work:
+        yield
+    budget = lines_per_rank * W
+    assert work.lines <= budget, (
+        f"{what} ran {work.lines:,} lines at W={W:,}: more than {lines_per_rank:g} per rank "
+        f"({budget:,.0f}), so something scans the ranks per job or per piece"
+    )
 
 
 def _exchange(jobs: list[Job], owners: list[int]) -> ExchangePlan:
@@ -74,7 +84,7 @@ def test_muon_owner_plan_for_one_rank():
     """What Muon's first step plans: one job per matrix (per expert: 4,096 here), LPT owners,
     the exchange, from the constructor's pieces."""
     params = _params()
-    with _cpu_seconds(3.0, "Muon set-up"):
+    with _linear_work(20, "Muon set-up"):
         Muon(params)
         jobs = []
         for _, p in params:
@@ -89,7 +99,7 @@ def test_muon_owner_plan_for_one_rank():
 
 def test_adamw8bit_block_grids_for_one_rank():
     params = _params(rows_per_unit=4)
-    with _cpu_seconds(3.0, "AdamW8bit set-up"):
+    with _linear_work(20, "AdamW8bit set-up"):
         opt = AdamW8bit(params, block_size=128, min_8bit_size=1)
     for _, p in params:
         absmax = opt.state[p]["exp_avg_absmax"]
@@ -100,7 +110,7 @@ def test_shampoo_geometry_and_cut_slab_exchange_for_one_rank():
     """An element-wise layout cuts most 16-row slabs: thousands of owner-compute jobs, whose
     exchange plan looped over every rank for every job."""
     params = _params()
-    with _cpu_seconds(4.0, "Shampoo set-up"):
+    with _linear_work(45, "Shampoo set-up"):
         Shampoo(params, max_preconditioner_dim=16)
         jobs, owners = [], []
         for _, p in params:
@@ -118,10 +128,12 @@ def test_shampoo_geometry_and_cut_slab_exchange_for_one_rank():
 def test_unit_alignment_check_is_free_when_the_policy_was_followed():
     params = _params(rows_per_unit=4)
     pieces = [Piece(p, n, 0, "fsdp", p.ragged_shard, RANK) for n, p in params]
-    with _cpu_seconds(0.5, "the unit-alignment check"):
+    with counted_lines() as work:
         for _ in range(100):  # once per parameter of a 100-layer model
             for pc in pieces:
                 check_unit_alignment(pc, 128, "a block")
+    calls = 100 * len(pieces)
+    assert work.lines <= 6 * calls, f"{work.lines:,} lines for {calls} checks: not O(1) each"
     cut = Piece(params[0][1], "wq", 0, "fsdp", RaggedShard.even((W // 4, 64), W, 1), RANK)
     with pytest.raises(ValueError, match="rank 1's piece starting at element 16, which cuts"):
         check_unit_alignment(cut, 128, "a block")

@@ -90,7 +90,7 @@ groups = st.lists(entries, min_size=1, max_size=8).map(
 worlds = st.sampled_from([2, 3, 4, 5, 8, 16])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(tensors=groups, world=worlds)
 def test_no_budget_gives_the_plans_of_the_full_search(tensors, world):
     options = expert_options(tensors, world)
@@ -104,7 +104,7 @@ def test_no_budget_gives_the_plans_of_the_full_search(tensors, world):
     assert resolve_units(muon, tensors, world) == reference(tensors, world, options)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(tensors=groups, world=worlds, extra=st.sampled_from([0.0, 1e-3, 0.01, 0.1, 0.5, 1.0]))
 def test_padding_stays_within_the_budget(tensors, world, extra):
     units = resolve_units(ExpertShardPolicy(max_extra_padding=extra), tensors, world)
@@ -136,7 +136,7 @@ sizes_lists = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(sizes=sizes_lists, world=st.integers(1, 6), slack=st.integers(0, 300))
 def test_fits_within_answers_as_the_full_plan(sizes, world, slack):
     specs = specs_of(sizes)
@@ -162,7 +162,7 @@ def one_by_one(packer, order, seg, world):
     return offsets
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(
     sizes=st.lists(
         st.sampled_from([(4, 1), (4, 4), (12, 1), (12, 12), (7, 1), (40, 1)]), max_size=12

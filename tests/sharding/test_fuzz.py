@@ -22,7 +22,7 @@ shapes = st.lists(dims, min_size=0, max_size=3).map(tuple)
 worlds = st.one_of(st.integers(-2, 9), st.sampled_from([1, 127, 4096, 100_000]))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(shape=shapes, unit=st.integers(-3, 5000), counts=st.lists(st.integers(-2, 60), max_size=6))
 def test_ragged_shard_is_valid_or_refused_clearly(shape, unit, counts):
     try:
@@ -36,7 +36,7 @@ def test_ragged_shard_is_valid_or_refused_clearly(shape, unit, counts):
         assert sum(b.numel for b in spec.boxes(rank)) == stop - start
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150)
 @given(
     tensors=st.lists(
         st.tuples(shapes, st.integers(-1, 300), st.sampled_from(["float32", "bfloat16", "int8"])),
@@ -94,7 +94,8 @@ shapes_files = st.fixed_dictionaries(
 
 
 @settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=60,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(data=shapes_files, world=st.sampled_from(["1", "3", "0", "-4", "x", "100000"]))
 def test_plan_cli_answers_or_explains(tmp_path, capsys, data, world):

@@ -20,7 +20,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -31,13 +30,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raggedfsdp.comm.launch import loopback_interface
+from raggedfsdp.comm.launch import listening_store, loopback_interface
 
 __all__ = ["WorkerPool"]
 
 GLOO_TIMEOUT = timedelta(seconds=60)
 STARTUP_TIMEOUT_S = 120.0
 FAILURE_GRACE_S = 1.0
+# How long ``run`` waits for ranks by default: a hang detector, not a speed bound. It must hold
+# for the slowest task on a loaded 2-core machine with cold caches (a first torch.compile in 4
+# ranks), so it sits just under pytest's 300 s per-test timeout; hangs inside a collective end
+# sooner, at GLOO_TIMEOUT.
+RUN_TIMEOUT_S = 240.0
 CLOSE_TIMEOUT_S = 10.0
 
 
@@ -116,7 +120,7 @@ class WorkerPool:
         return bool(self._procs)
 
     def run(
-        self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, **kwargs: Any
+        self, fn: Callable[..., Any], *args: Any, timeout: float = RUN_TIMEOUT_S, **kwargs: Any
     ) -> list[Any]:
         """Call ``fn(*args, **kwargs)`` in every rank; return the results in rank order.
 
@@ -183,20 +187,8 @@ class WorkerPool:
         return replies
 
     def _start(self) -> None:
-        # The parent binds the store's socket itself so it listens on loopback only and the port
-        # is free by construction (no pick-then-bind race); the store takes over the descriptor.
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        self._store = dist.TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=GLOO_TIMEOUT,
-            master_listen_fd=listener.detach(),
-        )
+        # The parent binds the store's socket itself (loopback only, no pick-then-bind race).
+        self._store, port = listening_store(timeout=GLOO_TIMEOUT)
         ctx = _context()
         interface = loopback_interface()
         for rank in range(self.world_size):
