@@ -17,7 +17,8 @@ fails on
 Torch's own private names (``module._parameters``, ``torch._C``) are defined nowhere in
 raggedfsdp and are not ours to police. Dunder names are public protocol.
 
-It also holds raggedfsdp and the recipes to one screen per function (``MAX_FUNCTION_LINES``).
+It also holds raggedfsdp and the recipes to one screen per function (``MAX_FUNCTION_LINES``)
+and to imports without cycles (``import_cycles``).
 """
 
 from __future__ import annotations
@@ -206,3 +207,73 @@ def test_no_function_is_longer_than_a_screen(root: Path) -> None:
     recipes are read as examples, so they keep the rule too."""
     long = long_functions(root)
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+def _imports(mod: _Module, modules: dict[str, _Module]) -> set[str]:
+    """The modules of the package ``mod`` imports anywhere: at the top, under ``TYPE_CHECKING``
+    or inside a function (a deferred import hides a cycle, it does not remove one)."""
+    found = set()
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            base = node.module or ""
+            names = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:  # `from pkg import name` of a non-module
+                name = name.rpartition(".")[0]
+            if name and name != mod.dotted:
+                found.add(name)
+    return found
+
+
+def import_cycles(root: Path, package: str) -> list[list[str]]:
+    """Every set of modules under ``root`` that import each other, directly or around a ring."""
+    modules = _modules(root, package)
+    graph = {name: _imports(mod, modules) for name, mod in modules.items()}
+
+    def reach(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph[todo.pop()] - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+
+    reachable = {name: reach(name) for name in graph}
+    cycles = {
+        tuple(sorted(m for m in reachable[name] if name in reachable[m]))
+        for name in graph
+        if name in reachable[name]
+    }
+    return [list(cycle) for cycle in sorted(cycles)]
+
+
+@pytest.mark.parametrize("root", [PACKAGE, RECIPES], ids=["raggedfsdp", "recipes"])
+def test_no_modules_import_each_other(root: Path) -> None:
+    """Two modules that need each other are one concept split in two, or share a piece that
+    belongs below both (as ``ManagedParam`` does under ``param_group`` and ``float8_gather``)."""
+    cycles = import_cycles(root, root.name)
+    assert not cycles, f"modules importing each other: {cycles}"
+
+
+def test_the_cycle_check_sees_deferred_and_type_checking_imports(tmp_path: Path) -> None:
+    files = {
+        "__init__.py": "",
+        "a.py": "from pkg.b import B\n",
+        "b.py": """
+            from typing import TYPE_CHECKING
+
+            if TYPE_CHECKING:
+                from pkg.c import C
+
+            class B: ...
+            """,
+        "c.py": "def make():\n    from pkg import a\n",
+        "d.py": "from pkg.a import B\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(textwrap.dedent(text))
+    assert import_cycles(tmp_path, "pkg") == [["pkg.a", "pkg.b", "pkg.c"]]

@@ -27,8 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
+from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
-from raggedfsdp.fsdp.param_group import ManagedParam, ParamGroup, is_plain_embedding_weight
+from raggedfsdp.fsdp.param_group import ParamGroup, is_plain_embedding_weight
 from raggedfsdp.fsdp.state import STATE_ATTR, FSDPState, state_of
 from raggedfsdp.fsdp.step_guard import install_step_guard, mark_replaced
 from raggedfsdp.sharding import DEFAULT_POLICY, RaggedTensor, ShardPolicy

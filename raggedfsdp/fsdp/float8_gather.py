@@ -16,19 +16,16 @@ it, as the plain gather's cast does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from raggedfsdp.fsdp.float8 import FP8_DTYPE, Float8Blocks
 from raggedfsdp.fsdp.float8_linear import Float8Weight
+from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mxfp8 import MXFP8Blocks
 from raggedfsdp.sharding import FlatBuffer, Layout
 from raggedfsdp.sharding.float8_payload import Float8Payload, PayloadPiece, eligible_tiles
-
-if TYPE_CHECKING:
-    from raggedfsdp.fsdp.param_group import ManagedParam
 
 __all__ = ["Float8Format", "Float8Gather", "float8_notes"]
 

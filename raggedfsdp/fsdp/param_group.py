@@ -21,7 +21,6 @@ import functools
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +34,7 @@ from raggedfsdp.comm import (
 )
 from raggedfsdp.comm.errors import failing_as
 from raggedfsdp.fsdp.float8_gather import Float8Gather, float8_notes
+from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.sharding import (
     FlatBuffer,
@@ -48,25 +48,7 @@ from raggedfsdp.sharding import (
 from raggedfsdp.sharding import plan_layout as _plan_layout
 from raggedfsdp.sharding.units import expert_notes, float8_block_policy
 
-__all__ = ["ManagedParam", "ParamGroup", "is_plain_embedding_weight"]
-
-
-@dataclass
-class ManagedParam:
-    """One parameter of a group and everywhere the module tree refers to it (tied weights
-    appear at several places). ``original`` is dropped once sharded, freeing its memory."""
-
-    fqn: str
-    original: nn.Parameter | None
-    locations: list[tuple[nn.Module, str]]
-    sharded: nn.Parameter = field(init=False)
-    unsharded: nn.Parameter = field(init=False)
-
-    @property
-    def requires_grad(self) -> bool:
-        """The user's setting: the sharded parameter's once sharded (freezing or unfreezing it
-        after wrapping takes effect at the next forward, as with FSDP2)."""
-        return (self.original if self.original is not None else self.sharded).requires_grad
+__all__ = ["ParamGroup", "is_plain_embedding_weight"]
 
 
 class ParamGroup:

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 
 from raggedfsdp.sharding.planner import Layout
 
@@ -48,8 +49,7 @@ class FlatBuffer:
         persistent_full: bool = False,
         with_shard: bool = True,
     ) -> None:
-        if not 0 <= rank < layout.world_size:
-            raise ValueError(f"rank={rank} is outside the layout's world of {layout.world_size}")
+        _check_world(layout, rank)
         self.layout = layout
         self.rank = rank
         self.persistent_full = persistent_full
@@ -147,3 +147,26 @@ class FlatBuffer:
         gradient buffer, whose padding must reduce to zero)."""
         for start, stop in self.layout.gaps():
             self.full[start:stop].zero_()
+
+
+def _check_world(layout: Layout, rank: int) -> None:
+    """Refuse a layout planned for another number of ranks, naming both counts and the fix.
+
+    Only what is certain is checked: a shard group is never larger than the process group,
+    so a layout planned for more ranks than are running is wrong; one planned for fewer may be
+    an HSDP shard group or a subgroup, and is refused only when ``rank`` falls outside it.
+    Without a process group any layout is fine (one process standing in for any rank).
+    """
+    planned = layout.world_size
+    running = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if running is not None and planned > running:
+        raise ValueError(
+            f"FlatBuffer: layout planned for {planned} ranks, running on {running}: plan with "
+            f"world_size={running} (or run on {planned} ranks)"
+        )
+    if not 0 <= rank < planned:
+        where = "" if running is None else f", running on {running}"
+        raise ValueError(
+            f"FlatBuffer: rank={rank} is outside the layout planned for {planned} ranks{where}: "
+            "plan with world_size=<the shard group's size> and pass this process's rank in it"
+        )

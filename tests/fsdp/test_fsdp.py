@@ -124,7 +124,19 @@ def _mixed_precision(steps: int) -> dict:
         "loss_diff": max(abs(a - b) for a, b in zip(our_losses, ref_losses, strict=True)),
         "param_diff": max_diff(ours, reference),
         "master_dtypes": dtypes,
+        "reduced": _reduced_gradient(policy),
     }
+
+
+def _reduced_gradient(policy: MixedPrecisionPolicy) -> torch.Tensor:
+    """The averaged gradient of a weight whose per-rank gradients are exact in bf16 but whose
+    mean is not: rank 0's is 1, rank 1's 2**-8. An fp32 reduction gives (1 + 2**-8) / 2; a
+    bf16 one rounds it to 0.5 (training losses cannot tell the two apart)."""
+    model = nn.Linear(4, 1, bias=False)
+    fully_shard(model, mp_policy=policy)
+    x = torch.full((1, 4), 1.0 if dist.get_rank() == 0 else 2.0**-8)
+    model(x).sum().backward()  # the weight's gradient is x, computed in bf16
+    return model.weight.grad.full_tensor()
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -132,6 +144,7 @@ def test_bf16_compute_with_fp32_master_and_reduction(pool):
     for res in pool.run(_mixed_precision, 3):
         assert res["master_dtypes"] == {torch.float32, True}
         assert res["loss_diff"] < 3e-2 and res["param_diff"] < 3e-2, res
+        assert torch.equal(res["reduced"], torch.full((1, 4), (1 + 2.0**-8) / 2)), res["reduced"]
 
 
 def _flush_order() -> list[tuple[str, bool]]:

@@ -74,7 +74,7 @@ def test_load_full_tensors_checks_names_and_shapes():
         buf.load_full_tensors({k: v for k, v in tensors.items() if k != "norm"})
     with pytest.raises(ValueError, match="tensor 'embed' has shape \\(5, 12\\)"):
         buf.load_full_tensors({**tensors, "embed": tensors["embed"].reshape(5, 12)})
-    with pytest.raises(ValueError, match="rank=2 is outside"):
+    with pytest.raises(ValueError, match="rank=2 is outside the layout planned for 2 ranks: "):
         FlatBuffer(layout, rank=2, dtype=torch.float32)
 
 
@@ -170,3 +170,31 @@ def test_loading_parameters_that_require_grad_records_no_autograd_history():
     buf.load_full_tensors(dict(linear.named_parameters()))
     assert not buf.shard.requires_grad and buf.shard.grad_fn is None
     assert torch.equal(buf.shard_view("weight"), linear.weight.detach().reshape(-1))
+
+
+def _world_mismatches() -> list[str]:
+    """FlatBuffer's errors on 2 running ranks: a layout planned for 8, and rank 1 of a layout
+    planned for 1 (fewer ranks than running is legal for a shard group, a rank outside it not)."""
+    errors = []
+    for planned, rank in ((8, dist.get_rank()), (1, 1)):
+        try:
+            FlatBuffer(plan_layout(_specs(rows=1), planned), rank, torch.float32)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_a_layout_planned_for_another_world_size_is_refused_naming_both(pool):
+    for errors in pool.run(_world_mismatches):
+        assert errors[0] == (
+            "FlatBuffer: layout planned for 8 ranks, running on 2: plan with world_size=2 "
+            "(or run on 8 ranks)"
+        )
+        assert len(errors) == 2, errors
+        assert "rank=1 is outside the layout planned for 1 ranks, running on 2" in errors[1]
+
+
+def test_without_a_process_group_any_layout_serves_any_of_its_ranks():
+    layout = plan_layout(_specs(rows=1), 8)
+    assert FlatBuffer(layout, rank=7, dtype=torch.float32).shard.numel() == layout.segment_size
