@@ -187,8 +187,11 @@ class Checkpointer:
             elif self._loadable(path):
                 kept += 1
 
-    def _find(self, resume: str) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
-        """(checkpoint to load or None, its meta, warnings): the same on every rank."""
+    def find(self, resume: str) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+        """The checkpoint ``resume`` names (``auto``: the newest here that verifies), verified
+        but not loaded, so a launch can decide from its meta (its step) before building the
+        model: (path or None, its meta, warnings for the log). Collective, the same on every
+        rank."""
         if resume == "never":
             return None, None, []
         if resume != "auto":
@@ -215,15 +218,10 @@ class Checkpointer:
             )
         return None, None, []
 
-    def resume(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config
-    ) -> tuple[TrainState, str | None, list[str]]:
-        """Load the checkpoint ``cfg.resume`` names (``auto``: the newest one here that
-        verifies). Every rank loads the same checkpoint or fails with the same message.
-        Returns (state, loaded path or None, warnings for the log)."""
-        path, meta, warnings = self._find(cfg.resume)
-        if path is None or meta is None:
-            return TrainState(), None, warnings
+    @staticmethod
+    def check_compatible(path: Path, meta: dict[str, Any], cfg: Config) -> None:
+        """Refuse a checkpoint of another model shape or optimizer, from its marker alone (so
+        before the model is built), naming the differing fields."""
         mismatch = _model_mismatch(meta["model"], cfg)
         if mismatch:
             raise CheckpointError(
@@ -235,6 +233,19 @@ class Checkpointer:
                 f"{path} holds {meta['optimizer']} optimizer state but this run uses "
                 f"--optimizer {cfg.optimizer}; use the same optimizer or --resume never"
             )
+
+    def load(
+        self,
+        path: Path,
+        meta: dict[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: Config,
+    ) -> tuple[TrainState, list[str]]:
+        """Load the checkpoint ``find`` returned (and ``check_compatible`` accepted) into
+        ``model`` and ``optimizer``; every rank loads it or fails with the same message.
+        Returns (state, warnings for the log)."""
+        warnings: list[str] = []
         if meta.get("data") != self.data_position:
             warnings.append(
                 f"{path} was trained with data position {meta.get('data')}, this run has "
@@ -253,7 +264,7 @@ class Checkpointer:
         )
         torch.set_rng_state(state["train"]["rng"])
         train = state["train"]
-        return TrainState(int(train["step"]), int(train["tokens_seen"])), str(path), warnings
+        return TrainState(int(train["step"]), int(train["tokens_seen"])), warnings
 
 
 class GracefulStop:

@@ -81,7 +81,9 @@ class Config:
     # evaluation, checkpoints, logging
     eval_every: Annotated[int, "validation every N steps (and at the end; 0: never)"] = 50
     eval_batches: Annotated[int, "global batches per validation"] = 2
-    checkpoint_every: Annotated[int, "checkpoint every N steps (0: only on SIGINT/SIGTERM)"] = 100
+    checkpoint_every: Annotated[
+        int, "checkpoint every N steps and at the end (0: only on SIGINT/SIGTERM)"
+    ] = 100
     keep_checkpoints: Annotated[int, "complete checkpoints kept (older ones are deleted)"] = 2
     resume: Annotated[str, "auto (latest in run_dir) | never | path of a checkpoint"] = "auto"
     export_weights: Annotated[

@@ -1,13 +1,18 @@
 """What a run reports: MFU, peak memory, and rank 0's logger (tqdm, metrics.jsonl, wandb, plot).
 
-``metrics.jsonl`` in the run directory is the record of the run (one JSON object per step, kept
-across resumes: a resumed run drops the steps after its checkpoint and appends); wandb gets the
-same dicts, and the loss-curve PNG is drawn from the file at the end, so it shows the whole run.
+``metrics.jsonl`` in the run directory is the record of the run: one JSON object per step of the
+line its checkpoints continue, kept across resumes (a resumed run appends). A launch that starts
+before the file's last row (a crash after the last checkpoint, a fallback past a corrupt one,
+``--resume never`` or ``--resume PATH`` of an earlier step) trains those steps again: their old
+rows move to ``metrics.superseded.jsonl`` (appended, never deleted) and the launch says so. wandb
+gets the same dicts, and the loss-curve PNG is drawn from the file at the end, so it shows the
+whole run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from pathlib import Path
@@ -17,7 +22,16 @@ import torch
 
 from recipes.llama.config import Config
 
-__all__ = ["RunLogger", "peak_flops", "peak_memory_bytes", "plot_losses", "router_metrics"]
+__all__ = [
+    "SUPERSEDED",
+    "RunLogger",
+    "peak_flops",
+    "peak_memory_bytes",
+    "plot_losses",
+    "router_metrics",
+]
+
+SUPERSEDED = "metrics.superseded.jsonl"  # rows of steps a later launch trained again
 
 # Dense bf16 tensor-core peaks (TFLOP/s) by device name; anything else: set --peak-tflops.
 GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0}
@@ -25,7 +39,10 @@ GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0, 
 
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: the caching allocator's peak. CPU: the process's peak resident set (VmHWM), which
-    also counts the allocator's cached free memory (see REFERENCE §6 for a tighter set-up)."""
+    also counts the allocator's cached free memory and the torch runtime. For a tighter number,
+    start the ranks with glibc's ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` at
+    65536 and ``MALLOC_ARENA_MAX=1`` (freed memory then goes back to the OS) and reset VmHWM
+    per step, as ``benchmarks/measure.py`` does."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     status = Path("/proc/self/status")
@@ -103,7 +120,8 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 class RunLogger:
-    """Rank 0's outputs; on the other ranks (``enabled=False``) every method does nothing."""
+    """Rank 0's outputs for a launch that trains from ``start_step``; on the other ranks
+    (``enabled=False``) every method does nothing."""
 
     def __init__(self, cfg: Config, enabled: bool, start_step: int, info: dict[str, Any]) -> None:
         self.enabled, self.cfg = enabled, cfg
@@ -114,11 +132,8 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.records_path.is_file():  # a resumed run continues the record at its step
-            old = [json.loads(line) for line in self.records_path.read_text().splitlines()]
-            self.records = [r for r in old if r["step"] <= start_step]
-        self.records_path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-        if cfg.wandb_mode != "disabled" and start_step < cfg.steps:
+        moved = self._continue_records(start_step)
+        if cfg.wandb_mode != "disabled":
             try:
                 import wandb
             except ImportError:
@@ -136,6 +151,32 @@ class RunLogger:
         from tqdm import tqdm
 
         self.bar = tqdm(total=cfg.steps, initial=start_step, disable=not cfg.progress, unit="step")
+        if moved:
+            self.write(moved)
+
+    def _continue_records(self, start_step: int) -> str | None:
+        """Keep the rows up to ``start_step`` in ``metrics.jsonl``; rows past it are of steps
+        this launch trains again, so they move to ``SUPERSEDED`` (appended first, then the
+        file is replaced, so a crash loses no row). Returns the line saying so, or None."""
+        old: list[dict[str, Any]] = []
+        if self.records_path.is_file():
+            old = [json.loads(line) for line in self.records_path.read_text().splitlines()]
+        self.records = [r for r in old if r["step"] <= start_step]
+        later = [r for r in old if r["step"] > start_step]
+        if later:
+            with (self.run_dir / SUPERSEDED).open("a") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in later))
+        tmp = self.records_path.with_name(self.records_path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+        os.replace(tmp, self.records_path)
+        if not later:
+            return None
+        first, last = later[0]["step"], later[-1]["step"]
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        return (
+            f"{self.records_path}: the rows of {steps}, which this launch trains again from step "
+            f"{start_step}, moved to {self.run_dir / SUPERSEDED}"
+        )
 
     def write(self, text: str) -> None:
         """A line on the terminal that does not break the progress bar."""
@@ -157,14 +198,12 @@ class RunLogger:
             tok_s=f"{metrics['tokens_per_s']:.0f}",
         )
 
-    def close(self, summary: dict[str, Any] | None) -> Path | None:
-        """Finish wandb, write ``summary.json`` and the plot (returning its path); ``None``:
-        nothing ran, so the files of the run that did stay as they are."""
+    def close(self, summary: dict[str, Any]) -> Path | None:
+        """Finish wandb, write ``summary.json`` and the plot; returns the plot's path (None on
+        the other ranks)."""
         if not self.enabled:
             return None
         self.bar.close()
-        if summary is None:
-            return None
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         if self.wandb_run is not None:
             self.wandb_run.summary.update(summary)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +38,8 @@ __all__ = [
     "clip_gradients",
     "distributed",
     "failing_together",
+    "set_threads",
+    "thread_count",
 ]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -56,6 +58,45 @@ class Env:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch reads these at start-up
+
+
+def thread_count(environ: Mapping[str, str], cores: int, load: float) -> tuple[int | None, str]:
+    """Intra-op threads for one process of the recipe: (the count to set, or None to keep the
+    one the user chose; why, for the start-up banner).
+
+    Why: torch starts one OpenMP thread per core, and OpenMP's threads wait for each other at
+    every parallel region. When other processes keep cores busy, a thread that is off its core
+    stalls the rest: on a loaded 2-core machine a one-process run was 13-19x slower with torch's
+    2 threads than with 1. torchrun sets ``OMP_NUM_THREADS=1`` for more than one process per
+    node but leaves a single process alone, so the rule is the cores that are idle (the usable
+    ``cores`` minus the 1-minute ``load`` average, rounded, at least 1) shared among this
+    node's processes (``LOCAL_WORLD_SIZE``). ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS`` in
+    ``environ`` wins: torch has already applied it.
+    """
+    for name in THREAD_VARIABLES:
+        if environ.get(name):
+            return None, f"{name}={environ[name]}"
+    local = max(1, int(environ.get("LOCAL_WORLD_SIZE") or 1))
+    idle = min(cores, max(1, round(cores - load)))
+    why = f"OMP_NUM_THREADS unset: {idle} of {cores} cores idle (load {load:.1f})"
+    return max(1, idle // local), f"{why} / {local} local process{'es' if local > 1 else ''}"
+
+
+def set_threads(environ: Mapping[str, str] = os.environ) -> str:
+    """Apply ``thread_count`` to this process; returns the banner's ``threads: N (why)``.
+
+    Called where the recipe owns the process (``python -m recipes.llama.train``, torchrun's
+    workers), not by ``train()``, so code that calls ``train()`` itself keeps the thread
+    count it set with ``torch.set_num_threads``."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    count, why = thread_count(environ, cores or 1, load)
+    if count is not None:
+        torch.set_num_threads(count)
+    return f"threads: {torch.get_num_threads()} ({why})"
 
 
 def _device(choice: str, local_rank: int) -> torch.device:

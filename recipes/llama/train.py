@@ -10,9 +10,12 @@ but the last, clipping, the optimizer step (then, for a MoE model, the routers' 
 one all-reduce that both averages the loss for the log and agrees on whether a signal asked to
 stop, periodic validation and checkpoints.
 
-Read it as nanoGPT: ``set_up`` builds everything once (data, model, optimizer, schedule, resumed
-checkpoint, logger), ``train`` is the loop (``train_step``, ``agree``, ``step_metrics``,
-``evaluate``, checkpoints), and ``finish`` writes the summary.
+Read it as nanoGPT: ``find_start`` decides where the launch starts (a finished run, the
+checks, the data, the checkpoint to resume), ``set_up`` builds everything once (model,
+optimizer, schedule, resumed checkpoint, logger), ``train`` is the loop (``train_step``,
+``agree``, ``step_metrics``, ``evaluate``, checkpoints), and ``finish`` writes the summary and,
+when the run reached ``--steps``, the marker that makes the next launch train nothing
+(``run_record``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from raggedfsdp.fsdp import all_gather_bytes
 from recipes.llama.checkpoint import Checkpointer, CheckpointError, GracefulStop, TrainState
+from recipes.llama.checkpoint_files import step_of
 from recipes.llama.config import USAGE_ERROR, Config, ConfigError, parse_args, usage
 from recipes.llama.data import (
     DEFAULT_DATA_DIR,
@@ -55,7 +59,9 @@ from recipes.llama.parallel import (
     distributed,
     failing_together,
     full_weights,
+    set_threads,
 )
+from recipes.llama.run_record import Finished, clear_finished, mark_finished, read_finished
 
 __all__ = ["RunResult", "main", "train", "train_step"]
 
@@ -167,6 +173,57 @@ def train_step(
 
 
 @dataclass
+class Start:
+    """Where a launch starts, decided before the model is built (so a launch that has nothing
+    to train, or may not continue, builds and loads nothing): the micro-batches per step, the
+    checked data, the optimizer class, and the checkpoint to resume, verified but not loaded."""
+
+    accum: int
+    data: TokenData
+    optimizer_cls: type[torch.optim.Optimizer]
+    checkpointer: Checkpointer
+    checkpoint: Path | None
+    meta: dict[str, Any] | None  # the checkpoint's marker
+    warnings: list[str]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"]) if self.meta else 0
+
+
+def find_start(cfg: Config, env: Env) -> Start | str:
+    """Where this launch starts, or the one line saying it has nothing to train; collective.
+
+    A finished run (``run_record``) of this model and optimizer answers before anything is
+    read; otherwise the configuration checks, the data, and the checkpoint ``--resume`` names
+    (refused if it is of another model or optimizer), in that order. A finished run continues
+    past its last step only from a checkpoint of that step (CheckpointError otherwise)."""
+    finished = read_finished(Path(cfg.run_dir)) if cfg.resume == "auto" else None
+    if finished is not None and finished.same_run(cfg) and finished.step >= cfg.steps:
+        return finished.nothing_to_train(cfg.run_dir, cfg.steps)
+    accum = grad_accumulation(cfg, env.world_size)
+    data = open_data(cfg, env)
+    optimizer_cls = optimizer_class(cfg.optimizer, cfg.fsdp)  # fail before building anything
+    data_position = {"seed": cfg.seed, "train_sha256": data.meta["sha256"]["train"]}
+    checkpointer = Checkpointer(
+        Path(cfg.run_dir) / "checkpoints", env, cfg.keep_checkpoints, data_position
+    )
+    path, meta, warnings = checkpointer.find(cfg.resume)
+    if path is not None and meta is not None:
+        checkpointer.check_compatible(path, meta, cfg)
+    start = Start(accum, data, optimizer_cls, checkpointer, path, meta, warnings)
+    if finished is not None:
+        damaged = any(step_of(bad) == finished.step for bad in checkpointer.bad)
+        finished.check_continues(cfg.run_dir, cfg.steps, path, start.step, damaged)
+    if start.step >= cfg.steps:
+        return (
+            f"{path} is at step {start.step} (--steps {cfg.steps}): nothing to train. Raise "
+            "--steps to continue, or --resume never (or another --run-dir) to start over."
+        )
+    return start
+
+
+@dataclass
 class Run:
     """Everything the loop needs, built once by ``set_up`` (the nanoGPT preamble as a value)."""
 
@@ -185,38 +242,37 @@ class Run:
     peak_flops: float | None  # per device; None when unknown (no MFU then)
 
 
-def set_up(cfg: Config, env: Env) -> Run:
-    """Data, model, optimizer, schedule, the resumed checkpoint (if any) and the logger, in
-    that order. Configuration errors are raised before the model is built."""
-    accum = grad_accumulation(cfg, env.world_size)
-    data = open_data(cfg, env)
-    optimizer_cls = optimizer_class(cfg.optimizer, cfg.fsdp)  # fail before building anything
-
+def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
+    """Model, optimizer, schedule, the resumed checkpoint (if any) and the logger, in that
+    order, from ``start``; ``threads`` is the banner's note on the thread count."""
     # The same weights on every rank (seeded by name), sharded block by block as they are made.
-    model = build_model(cfg, env, shard_policy(optimizer_cls, cfg.whole_experts))
+    model = build_model(cfg, env, shard_policy(start.optimizer_cls, cfg.whole_experts))
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = matmul_params(model)
     optimizer = build_optimizer(model, cfg)
     schedule = Schedule(optimizer, cfg)
 
-    data_position = {"seed": cfg.seed, "train_sha256": data.meta["sha256"]["train"]}
-    checkpointer = Checkpointer(
-        Path(cfg.run_dir) / "checkpoints", env, cfg.keep_checkpoints, data_position
-    )
-    state, resumed_from, warnings = checkpointer.resume(model, optimizer, cfg)
+    state, warnings = TrainState(), list(start.warnings)
+    if start.checkpoint is not None and start.meta is not None:
+        state, more = start.checkpointer.load(start.checkpoint, start.meta, model, optimizer, cfg)
+        warnings += more
+    resumed_from = None if start.checkpoint is None else str(start.checkpoint)
 
     flops_token = flops_per_token(cfg.model, n_matmul, cfg.seq_len)
     peak, peak_source = peak_flops(cfg, env.device)
+    cls = start.optimizer_cls
     info = {
         "world_size": env.world_size,
         "mesh": dict(zip(env.mesh.mesh_dim_names, env.mesh.shape, strict=True)),
-        "grad_accumulation": accum,
+        "grad_accumulation": start.accum,
         "n_params": n_params,
         "flops_per_token": flops_token,
         "peak_flops_per_device": peak,
         "peak_flops_source": peak_source,
-        "optimizer_class": f"{optimizer_cls.__module__}.{optimizer_cls.__qualname__}",
-        "train_tokens": len(data.train),
+        "optimizer_class": f"{cls.__module__}.{cls.__qualname__}",
+        "all_gather": all_gather_format(cfg),
+        "threads": threads,
+        "train_tokens": len(start.data.train),
     }
     if hasattr(optimizer, "state_bytes"):  # raggedfsdp's optimizers: this rank's state memory
         info["optimizer_state_mib_rank0"] = optimizer.state_bytes().state_bytes / 2**20
@@ -224,21 +280,30 @@ def set_up(cfg: Config, env: Env) -> Run:
     for line in warnings:
         logger.write(f"warning: {line}")
     logger.write(_header(cfg, info, resumed_from))
+    data = start.data
     return Run(
         model=model,
         optimizer=optimizer,
         schedule=schedule,
-        checkpointer=checkpointer,
+        checkpointer=start.checkpointer,
         logger=logger,
         train_batches=Batches(data.train, cfg.seq_len, cfg.batch_size, cfg.seed, TRAIN),
         val_batches=Batches(data.val, cfg.seq_len, cfg.batch_size, cfg.seed, VAL),
-        accum=accum,
+        accum=start.accum,
         state=state,
         resumed_from=resumed_from,
         tokens_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_token=flops_token,
         peak_flops=peak,
     )
+
+
+def all_gather_format(cfg: Config) -> str:
+    """What the weights travel as in the all-gathers: ``--all-gather fp8|mxfp8``, else the
+    compute dtype of ``--mixed-precision`` (bf16, or fp32 without it)."""
+    if cfg.all_gather != "param":
+        return cfg.all_gather
+    return "bf16" if cfg.mixed_precision == "bf16" else "fp32"
 
 
 def _header(cfg: Config, info: dict[str, Any], resumed_from: str | None) -> str:
@@ -249,9 +314,11 @@ def _header(cfg: Config, info: dict[str, Any], resumed_from: str | None) -> str:
         f"{info['grad_accumulation']} micro-batch(es) of {cfg.micro_batch_size}",
         f"{cfg.batch_size * cfg.seq_len} tokens/step",
         str(info["optimizer_class"]),
+        f"all-gather {info['all_gather']}",
     ]
     if "optimizer_state_mib_rank0" in info:
         header.append(f"optimizer state {info['optimizer_state_mib_rank0']:.2f} MiB on rank 0")
+    header.append(str(info["threads"]))
     if resumed_from:
         header.append(f"resumed from {resumed_from}")
     return ", ".join(header)
@@ -310,22 +377,30 @@ def _due(every: int, step: int, last: bool) -> bool:
 
 
 def train(
-    cfg: Config, env: Env, on_step: Callable[[int, dict[str, Any]], None] | None = None
+    cfg: Config,
+    env: Env,
+    on_step: Callable[[int, dict[str, Any]], None] | None = None,
+    threads: str | None = None,
 ) -> RunResult:
     """Train to ``cfg.steps`` (from the latest checkpoint, if any); ``on_step(step, metrics)``
-    runs after every step on every rank (custom logging, tests)."""
+    runs after every step on every rank (custom logging, tests). ``threads`` is
+    ``parallel.set_threads``' note for the banner; None: the caller set the thread count.
+
+    A run directory whose run finished (``run_record``) trains nothing with the same
+    ``--steps`` and continues past them only from a checkpoint of its last step
+    (``find_start``)."""
     start_time = time.perf_counter()
-    run = set_up(cfg, env)
+    start = find_start(cfg, env)
+    if isinstance(start, str):  # nothing to train: one line, and no file is touched
+        if env.is_main:
+            print(start)
+        return RunResult()
+    threads = threads or f"threads: {torch.get_num_threads()} (set by the caller of train)"
+    run = set_up(cfg, env, start, threads)
+    if env.is_main:
+        clear_finished(Path(cfg.run_dir))  # until this launch reaches --steps
     result = RunResult(resumed_from=run.resumed_from)
     state = run.state
-    if state.step >= cfg.steps:
-        run.logger.write(
-            f"{cfg.run_dir} already reached {state.step} steps (--steps {cfg.steps}): nothing to "
-            "train. Raise --steps to continue, or --resume never (or another --run-dir) to start "
-            "over."
-        )
-        run.logger.close(None)
-        return result
 
     with GracefulStop() as stop:
         for step in range(state.step, cfg.steps):
@@ -390,6 +465,8 @@ def finish(
         "optimizer": cfg.optimizer,
     }
     plot = run.logger.close(summary)
+    if env.is_main and state.step >= cfg.steps:  # the next launch trains nothing (run_record)
+        mark_finished(Path(cfg.run_dir), Finished.of(cfg, state.step, result.checkpoint))
     if plot is not None:
         print(f"loss curve: {plot}, metrics: {run.logger.records_path}, summary: {summary}")
 
@@ -406,7 +483,9 @@ def _report(err: Exception, joined: bool) -> None:
         print(f"error: {err}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, threads: str | None = None) -> int:
+    """The command line (``argv``, default this process's); returns the exit status.
+    ``threads``: the note of ``parallel.set_threads`` when it set this process's threads."""
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
         print(
@@ -421,12 +500,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse_args(argv)
         with distributed(cfg, agreed=(ConfigError, DataError, CheckpointError)) as env:
             joined = True
-            train(cfg, env)
+            train(cfg, env, threads=threads)
     except (ConfigError, DataError, CheckpointError) as err:
         _report(err, joined)
         return USAGE_ERROR
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # this process is the recipe's: it picks the thread count
+    sys.exit(main(threads=set_threads()))

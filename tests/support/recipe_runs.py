@@ -34,6 +34,27 @@ def run_train(argv: list[str], signal_at: int | None = None) -> RunResult:
         return train(cfg, env, on_step=on_step)
 
 
+class Crash(Exception):
+    """Stands for a process killed mid-run (no signal handler, no final save)."""
+
+
+def _crash_at(step: int, at: int) -> None:
+    if step == at:
+        raise Crash(f"killed after step {step}")
+
+
+def train_crashing_after(argv: list[str], step: int) -> str:
+    """Train until ``step`` has been logged, then end every rank as a kill would (the pool
+    survives: the crash is caught here, on every rank)."""
+    cfg = parse_args(argv)
+    try:
+        with distributed(cfg) as env:
+            train(cfg, env, on_step=lambda done, _: _crash_at(done, step))
+    except Crash as err:
+        return str(err)
+    return "no crash"
+
+
 def train_expecting_error(argv: list[str]) -> str:
     try:
         run_train(argv)
