@@ -11,7 +11,7 @@ from tests.docs.ranks import ROOT, failures, run_ranks
 EXAMPLES = ROOT / "examples"
 # script -> [(ranks as torchrun would start them, 0 = one plain process; arguments)]
 RUNS = {
-    "demo.py": [(0, ["--world-size", "2", "--rows", "8"])],  # starts its own ranks
+    "demo.py": [(0, ["--world-size", "3", "--rows", "32"])],  # its own ranks; odd W, 32-row units
     "fully_shard_llama.py": [
         (0, ["--steps", "6", "--dim", "64", "--layers", "1", "--seq", "8", "--vocab", "64"]),
         (2, ["--steps", "6", "--dim", "64", "--layers", "1", "--seq", "8", "--vocab", "64"]),
@@ -34,6 +34,7 @@ def test_example_runs(name: str, nproc: int, args: list[str]):
     output = results[0].output
     if name == "demo.py":
         assert output.count("[ok]") == 4 and "FAILED" not in output, output
+        assert "units per rank" in output, output
     else:  # the loss falls and rank 0 says on how many ranks
         found = re.search(r"(\d+) rank\(s\), \d+ steps: loss ([\d.]+) -> ([\d.]+)", output)
         assert found, output
