@@ -189,9 +189,11 @@ class ShardedOptimizer(ShardedState, Optimizer):
     def _make_piece(self, p: Tensor, name: str, gi: int) -> Piece:
         mode = self._mode_of(p)
         if p.is_complex():
-            raise ValueError(
-                f"parameter {name!r} is complex; raggedfsdp.optim works on real tensors: store it "
-                "as torch.view_as_real(...) and view it as complex in forward"
+            # RuntimeError, as torch's optimizers that refuse complex parameters raise (Muon)
+            raise RuntimeError(
+                f"parameter {name!r} is complex; {type(self).__name__} does not support complex "
+                "parameters (raggedfsdp.optim works on real tensors): store it as "
+                "torch.view_as_real(...) and view it as complex in forward"
             )
         if mode != "single" and p.device.type == "meta":
             raise ValueError(

@@ -1,8 +1,8 @@
 """Where a blocked preconditioner computes its slabs: where they lie whole, or on an owner.
 
-Shampoo and SOAP cut a parameter's matrix view into ``B × B`` blocks (``ShampooBlocks``); a
-*slab* is one row of blocks. Their per-block math needs every element of a slab, so this module
-decides, per step, where each slab is computed and moves the data for it:
+Shampoo and SOAP cut a parameter's matrix view into ``B × B`` blocks (``ShampooBlocks``,
+``SoapBlocks``); a *slab* is one row of blocks. Their per-block math needs every element of a
+slab, so this module decides, per step, where each slab is computed and moves the data for it:
 
 * a slab that lies whole on this rank (always, under the optimizers' ``shard_policy``) is
   computed here from views of the local pieces: no communication;
@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -29,17 +30,37 @@ from torch import Tensor
 from raggedfsdp.optim.contract import Piece
 from raggedfsdp.optim.owner_compute import ExchangePlan
 from raggedfsdp.sharding import RaggedShard
-from raggedfsdp.sharding.blocks import ShampooBlocks
 from raggedfsdp.sharding.owners import Job
 
-__all__ = ["SlabGeometry", "SlabRunner", "SlabTask", "SlabWork"]
+__all__ = ["SlabGeometry", "SlabRunner", "SlabTask", "SlabWork", "Slabs"]
+
+
+class Slabs(Protocol):
+    """What the runner reads of a tensor's blocks: its ``rows × cols`` view cut into slabs of
+    ``slab_rows`` whole rows (``ShampooBlocks``, ``SoapBlocks``)."""
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def cols(self) -> int: ...
+
+    @property
+    def num_slabs(self) -> int: ...
+
+    def slab_range(self, i: int) -> tuple[int, int]: ...
+
+    def slabs_starting_in(self, start: Any, stop: Any) -> Any: ...
+
+    def slab_owners(self, bounds: Sequence[int]) -> list[int]: ...
 
 
 @dataclass
 class SlabGeometry:
-    """A blocked parameter's ``ShampooBlocks`` and this rank's place in them."""
+    """A blocked parameter's blocks (``ShampooBlocks``, ``SoapBlocks``) and this rank's place
+    in them."""
 
-    blocks: ShampooBlocks
+    blocks: Slabs
     bounds: list[int]  # rank r holds [bounds[r], bounds[r + 1]) of the flat parameter
     rank: int
     counts: list[int]  # slabs whose first element each rank holds (whose state it keeps)
@@ -47,7 +68,7 @@ class SlabGeometry:
     first_owned: int  # this rank's first owned slab (index 0 of its per-slab state)
 
     @classmethod
-    def of(cls, piece: Piece, blocks: ShampooBlocks) -> SlabGeometry:
+    def of(cls, piece: Piece, blocks: Slabs) -> SlabGeometry:
         spec = piece.spec
         bounds = [0, blocks.rows * blocks.cols] if spec is None else list(spec.bounds)
         counts = [blocks.slabs_starting_in(a, b) for a, b in itertools.pairwise(bounds)]
@@ -116,7 +137,7 @@ class SlabRunner:
     holds it whole or on its owner; caches geometries and exchange plans (the layout is fixed
     for an optimizer's lifetime)."""
 
-    def __init__(self, blocks_of: Callable[[Piece], ShampooBlocks]) -> None:
+    def __init__(self, blocks_of: Callable[[Piece], Slabs]) -> None:
         self._blocks_of = blocks_of
         self._geometries: dict[Piece, SlabGeometry] = {}
         self._cut: dict[tuple[str, ...], _CutSlabs] = {}

@@ -65,7 +65,7 @@ def shampoo_kwargs(cfg: Config) -> dict[str, Any]:
 
 def soap_kwargs(cfg: Config) -> dict[str, Any]:
     """SOAP is Adam in Shampoo's eigenbasis: Adam's lr, betas and epsilon carry over (its
-    factors' EMA and preconditioning frequency keep SOAP's defaults, 0.95 and 10)."""
+    factors' EMA and preconditioning frequency keep SOAP's defaults: beta2, and every 10 steps)."""
     return {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
 
 

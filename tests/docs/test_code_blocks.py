@@ -27,8 +27,6 @@ import pytest
 from tests.docs.ranks import ROOT, failures, run_ranks
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Pages whose owner has yet to mark their blocks (issue 28): unmarked blocks there are skipped.
-AWAITING_MARKERS = {"docs/optimizers.md"}
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)\s*$")
 MARKER = re.compile(r"^\s*<!--\s*(?P<kind>torchrun|excerpt|not-run):\s*(?P<value>.*?)\s*-->\s*$")
 LOOKS_LIKE_MARKER = re.compile(r"\s*<!--\s*(not[-_ ]?run|excerpt|torchrun)")
@@ -86,8 +84,6 @@ def test_python_block_runs_as_pasted(block: Block, tmp_path: Path):
     if kind == "excerpt":
         _check_excerpt(block, ROOT / value)
         return
-    if not kind and block.path in AWAITING_MARKERS:
-        pytest.skip(f"{block.id}: unmarked; its page's owner marks or completes it")
     nproc = 0
     if kind == "torchrun":
         found = re.fullmatch(r"--nproc-per-node (\d+)", value)

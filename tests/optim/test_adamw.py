@@ -310,7 +310,7 @@ def test_bad_input_single_process():
     p = torch.nn.Parameter(torch.randn(4, 3))
     with pytest.raises(ValueError, match=r"'w2' .*already in param group 0 \(as 'w'\)"):
         AdamW([{"params": [("w", p)]}, {"params": [("w2", p)]}])
-    with pytest.raises(ValueError, match="complex"):
+    with pytest.raises(RuntimeError, match="does not support complex parameters"):
         AdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
     with pytest.raises(NotImplementedError, match="differentiable"):
         AdamW([p], differentiable=True)

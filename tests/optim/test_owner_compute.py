@@ -32,7 +32,29 @@ def test_whole_matrices_stay_home_and_the_rest_balance():
 def test_the_holder_wins_when_it_costs_little_balance():
     jobs = [Job(((0, 10), (1, 90)), 100.0), Job(((0, 50), (1, 50)), 1.0)]
     assert assign_owners(jobs, 2) == [1, 0]
-    assert assign_owners(jobs, 2) == assign_owners(jobs, 2)  # deterministic
+
+
+def _tied_jobs(world: int) -> list[Job]:
+    """Many jobs with equal costs and equal pieces, so every tie-break rule is exercised."""
+    rng = random.Random(7)
+    jobs = []
+    for _ in range(40):
+        holders = sorted(rng.sample(range(world), min(world, rng.randint(1, 3))))
+        pieces = tuple((r, rng.choice((4, 8))) for r in holders)
+        jobs.append(Job(pieces, rng.choice((1.0, 2.0))))
+    return jobs
+
+
+def _owners_here(world: int) -> list[int]:
+    return assign_owners(_tied_jobs(world), world)
+
+
+def test_every_process_assigns_the_same_owners(pool):
+    """Ranks compute owners independently (no communication decides them), so separate
+    processes (their own hash seeds and allocations) must agree with this one, ties included."""
+    world = max(pool.world_size, 3)
+    expected = _owners_here(world)
+    assert all(owners == expected for owners in pool.run(_owners_here, world))
 
 
 def _exchange(seed: int) -> bool:

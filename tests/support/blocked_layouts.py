@@ -26,9 +26,20 @@ Shapes = dict[str, tuple[int, ...]]
 MODES = ("planned", "uneven", "drop-in", "cut")
 
 
+#: The options that change the block layout (the shard policy's arguments; the last three are
+#: SOAP's).
+LAYOUT_OPTIONS = (
+    "merge_dims",
+    "precondition_1d",
+    "large_dims",
+    "tensor_factors",
+    "normalize_grads",
+)
+
+
 def layout_options(config: dict) -> dict:
     """The options of ``config`` that change the block layout (the shard policy's arguments)."""
-    return {k: config[k] for k in ("merge_dims", "precondition_1d") if k in config}
+    return {k: config[k] for k in LAYOUT_OPTIONS if k in config}
 
 
 def same_grads(shapes: Shapes, steps: int, world: int = 1) -> list[dict[str, torch.Tensor]]:
