@@ -9,7 +9,7 @@ medians (ours / FSDP2, lower is better):
 * a full training step (forward, backward, optimizer step);
 * peak resident memory above the post-warm-up level during a step (unsharded parameters,
   gradient buffers, copies, activations), measured with glibc returning freed memory to the OS
-  (REFERENCE §6: MALLOC_* variables set before the ranks start, VmHWM reset per step);
+  (MALLOC_* variables set before the ranks start, VmHWM reset per step: ``measure.py``);
 * peak allocated tensor bytes above the step's start, from the profiler's allocator events in
   one extra step: the view a GPU's caching allocator has (a buffer counts in full once
   allocated, where the kernel makes a CPU buffer resident page by page as it is written);

@@ -1,6 +1,6 @@
 """Measuring helpers shared by the benchmarks that run raggedfsdp beside PyTorch FSDP2.
 
-* Memory on a CPU machine (REFERENCE §6): ranks started with ``MALLOC_ENV`` return freed
+* Memory on a CPU machine: ranks started with ``MALLOC_ENV`` return freed
   memory to the OS, so the resident set follows live tensor bytes; ``peak_above_now`` resets
   ``VmHWM`` and reads it after a call, ``peak_allocated`` reads the profiler's allocator events
   (the view a GPU's caching allocator has).

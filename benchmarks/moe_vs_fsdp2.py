@@ -20,9 +20,9 @@ same batches. Reported per system and as ratios ours / FSDP2 (lower is better):
 * ``static_tensors``: the storage bytes of this rank's parameters, gradients and optimizer
   state (each storage once, FSDP2's padding included), what a GPU holds between steps;
   ``static``: the same as resident memory, what the resident set drops by when the system is
-  deleted after the run (REFERENCE §6);
-* ``transient``: peak resident memory above the post-warm-up level during a step (REFERENCE
-  §6: ranks started with ``MALLOC_*`` set, ``VmHWM`` reset before the step), median;
+  deleted after the run (``measure.py``);
+* ``transient``: peak resident memory above the post-warm-up level during a step (ranks
+  started with ``MALLOC_*`` set, ``VmHWM`` reset before the step: ``measure.py``), median;
   memory figures are the maximum over ranks (FSDP2's first ranks hold whole chunks);
 * final losses and their difference;
 * with ``--optimizer muon``: ours is ``raggedfsdp.optim.Muon`` (hidden matrices and every
