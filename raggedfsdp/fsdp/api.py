@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
@@ -32,6 +33,7 @@ from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup, is_plain_embedding_weight
 from raggedfsdp.fsdp.state import STATE_ATTR, FSDPState, state_of
 from raggedfsdp.fsdp.step_guard import install_step_guard, mark_replaced
+from raggedfsdp.fsdp.tensor_parallel import tp_shard_of
 from raggedfsdp.sharding import DEFAULT_POLICY, RaggedTensor, ShardPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -249,7 +251,10 @@ def fully_shard(
             named ``"<index in the list>.<name>"`` in the plan.
         mesh: 1-D ``DeviceMesh`` or process group (FSDP), 2-D ``DeviceMesh`` (HSDP: dim 0
             replicates, dim 1 shards), or ``None`` for the default group (a single process when
-            torch.distributed is not initialised).
+            torch.distributed is not initialised). Under tensor parallelism, the data-parallel
+            dims only (``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]``): parameters
+            that ``parallelize_module`` made DTensors on the TP dim are sharded by their
+            TP-local tensors (docs/tensor_parallel.md).
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and gathers
             them again for backward (ZeRO-3); ``False`` keeps them until backward ends
             (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default):
@@ -283,10 +288,11 @@ def fully_shard(
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, shard_mesh)
     _check_policies(mp_policy, shard_policy)
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    params = _collect_params(modules)
+    params = _collect_params(modules, shard_mesh)
     owner = " + ".join(type(m).__name__ for m in modules)
     if params:
         _check_mesh_device(shard_mesh, params[0].original, params[0].fqn)
+    _check_tp_policies(params, mp_policy)
 
     def build(members: list[ManagedParam]) -> ParamGroup:
         return ParamGroup(
@@ -413,9 +419,10 @@ def _check_reshard_after_forward(value: Any, mesh: ShardMesh) -> bool | int | No
     return True if size == mesh.shard_size else size
 
 
-def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
+def _collect_params(modules: list[nn.Module], mesh: ShardMesh) -> list[ManagedParam]:
     """The parameters of ``modules`` outside already-wrapped submodules, each once, with every
-    place that refers to it (names get the module's list index when there are several)."""
+    place that refers to it (names get the module's list index when there are several).
+    Tensor-parallel DTensors are checked against ``mesh`` (``tp_shard_of``)."""
     found: dict[int, ManagedParam] = {}
 
     def visit(mod: nn.Module, prefix: str) -> None:
@@ -431,14 +438,18 @@ def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
                     "(blocks first, then the root); tied/shared weights must be wrapped by one "
                     "call (e.g. the common parent)."
                 )
-            if is_traceable_wrapper_subclass(param) or isinstance(param, RaggedTensor):
+            is_dtensor = isinstance(param, DTensor)
+            if (is_traceable_wrapper_subclass(param) and not is_dtensor) or isinstance(
+                param, RaggedTensor
+            ):
                 raise ValueError(
                     f"parameter {fqn!r} is a {type(param).__name__}: fully_shard shards plain "
-                    "tensors; tensor-parallel (DTensor) or other tensor-subclass parameters "
+                    "tensors and tensor-parallel DTensors; other tensor-subclass parameters "
                     "cannot join a group yet. Shard this module's parameters one way only"
                 )
             if id(param) not in found:
-                found[id(param)] = ManagedParam(fqn, param, [(mod, name)])
+                tp = tp_shard_of(fqn, param, mesh) if is_dtensor else None
+                found[id(param)] = ManagedParam(fqn, param, [(mod, name)], tp)
             elif (mod, name) not in found[id(param)].locations:  # a module reached twice
                 found[id(param)].locations.append((mod, name))
         for child_name, child in mod._modules.items():
@@ -448,6 +459,18 @@ def _collect_params(modules: list[nn.Module]) -> list[ManagedParam]:
     for i, module in enumerate(modules):
         visit(module, f"{i}." if len(modules) > 1 else "")
     return list(found.values())
+
+
+def _check_tp_policies(params: list[ManagedParam], mp_policy: MixedPrecisionPolicy | None) -> None:
+    """The FP8 gathers quantize tiles of the unsharded tensor, which a TP parameter does not
+    have on one rank: refused, naming the parameter."""
+    first = next((mp for mp in params if mp.tp is not None), None)
+    if first is not None and mp_policy is not None and mp_policy.all_gather is not None:
+        raise ValueError(
+            f"parameter {first.fqn!r} is tensor-parallel ({first.tp.placement!r}): "
+            "MixedPrecisionPolicy(all_gather=...) (FP8 gathers) does not compose with tensor "
+            "parallelism yet; wrap the TP modules without all_gather"
+        )
 
 
 def _check_mesh_device(mesh: ShardMesh, param: torch.Tensor, fqn: str) -> None:

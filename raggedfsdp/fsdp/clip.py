@@ -3,7 +3,10 @@
 Each rank's pieces are disjoint, so summing ``|g|^p`` over local pieces and all-reducing that
 one number per shard group gives the exact global norm. Plain (replicated) gradients are
 identical on every rank and are added once, after the reduction. With HSDP the replicas hold
-identical sharded gradients, so only the shard group is reduced.
+identical sharded gradients, so only the shard group is reduced. Under tensor parallelism a
+TP-sharded gradient's sum is reduced over the TP group too; a replicated one (a
+sequence-parallel norm's) is the same on every TP rank and is reduced over data parallel only,
+so every element counts once (torchtitan's rule).
 
 ``torch.nn.utils.clip_grad_norm_`` works on RaggedTensor gradients too, through whole-tensor
 norms with one all-reduce per call; this one accumulates in fp32 whatever the gradients' dtype
@@ -49,17 +52,18 @@ def clip_grad_norm_(
         raise ValueError(f"norm_type={norm_type} must be positive (or math.inf)")
     device = grads[0].device
     accumulate = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    ragged_by_group: dict[object, list[torch.Tensor]] = {}
+    # Pieces that combine over the same groups (data parallel, and TP for TP-sharded ones)
+    ragged_by_groups: dict[tuple[object, ...], list[torch.Tensor]] = {}
     plain: list[torch.Tensor] = []
     for g in grads:
         if isinstance(g, RaggedTensor):
-            ragged_by_group.setdefault(g.group, []).append(g.local)
+            ragged_by_groups.setdefault(g.reduce_groups, []).append(g.local)
         else:
             plain.append(g)
     partials = []
-    for group, locals_ in ragged_by_group.items():
+    for groups, locals_ in ragged_by_groups.items():
         part = _partial(locals_, norm_type, device, accumulate)
-        if dist.is_initialized():
+        for group in groups if dist.is_initialized() else ():
             part = all_reduce_nan_safe(part, "max" if math.isinf(norm_type) else "sum", group)
         partials.append(part)
     if plain:

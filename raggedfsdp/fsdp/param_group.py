@@ -36,6 +36,7 @@ from raggedfsdp.comm.errors import failing_as
 from raggedfsdp.fsdp.float8_gather import Float8Gather, float8_notes
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
+from raggedfsdp.fsdp.tensor_parallel import local_grad, tp_block_notes, tp_spec
 from raggedfsdp.sharding import (
     FlatBuffer,
     Layout,
@@ -84,20 +85,22 @@ class ParamGroup:
             shard_policy = combine(shard_policy, float8_block_policy(fp8.tile))
         units = _units(shard_policy, params, self.orig_dtype, mesh.shard_size)
         specs = [
-            TensorSpec(mp.fqn, tuple(mp.original.shape), self.orig_dtype, units[mp.fqn])
+            TensorSpec(mp.fqn, tuple(mp.local_original.shape), self.orig_dtype, units[mp.fqn])
             for mp in params
         ]
         self.layout: Layout = _plan_layout(specs, mesh.shard_size)
-        # What the planner noted and what the units chose for expert tensors (whole experts,
-        # k rows of each, or cut), so a user can see why experts do or do not stay whole
+        # What the planner noted, what the units chose for expert tensors (whole experts, k
+        # rows of each, or cut) and where a TP split cuts the policy's blocks, so a user can
+        # see why blocks do or do not stay whole
         self.notes: tuple[str, ...] = self.layout.notes + expert_notes(self.layout.tensors)
+        self.notes += tp_block_notes(params, shard_policy, units, mesh.shard_size)
         compute_dtype = mp_policy.param_dtype or self.orig_dtype
         self._float8 = None if fp8 is None else Float8Gather(self.layout, fp8, compute_dtype)
         if fp8 is not None:
             self.notes += float8_notes(self.layout, fp8, compute_dtype, name)
         self._build_storage(self.device)
         with torch.no_grad():
-            self.master.load_full_tensors({mp.fqn: mp.original.detach() for mp in params})
+            self.master.load_full_tensors({mp.fqn: mp.local_original for mp in params})
         for mp in params:
             mp.original = None
         self.is_unsharded = False
@@ -150,12 +153,16 @@ class ParamGroup:
         # sharded gradients are fresh tensors per reduction, freed by zero_grad(set_to_none).
         self.grads = FlatBuffer(self.layout, rank, reduce_dtype, device, with_shard=False)
         for mp in self.params:
-            spec = self.layout.shards[mp.fqn]
+            spec = tp_spec(self.layout.shards[mp.fqn], mp)
             local = self.master.shard_view(mp.fqn)
             ragged = RaggedTensor(local, spec, rank, self.mesh.shard_group)
             mp.sharded = nn.Parameter(ragged, requires_grad=mp.requires_grad)
             mp.sharded.sharded_use_hint = functools.partial(_use_hint, weakref.ref(self))
-            mp.unsharded = nn.Parameter(self.compute.full_view(mp.fqn), mp.requires_grad)
+            # A TP parameter is handed to the module as the DTensor TP's hooks expect, its
+            # local tensor the view of the gathered buffer
+            view = self.compute.full_view(mp.fqn)
+            unsharded = view if mp.tp is None else mp.tp.dtensor(view)
+            mp.unsharded = nn.Parameter(unsharded, mp.requires_grad)
 
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
         return failing_as(
@@ -179,7 +186,7 @@ class ParamGroup:
             if mp.unsharded.requires_grad != mp.sharded.requires_grad:
                 mp.unsharded.requires_grad_(mp.sharded.requires_grad)
             view = self.compute.full_view(mp.fqn)
-            if not mp.unsharded.is_set_to(view):
+            if mp.tp is None and not mp.unsharded.is_set_to(view):  # (TP: never rebound)
                 # A module moved the parameter onto storage of its own (an RNN's
                 # ``flatten_parameters`` on CUDA copies its weights into one cuDNN buffer and
                 # ``set_``s them there): it would read that copy's old values from then on.
@@ -395,6 +402,7 @@ class ParamGroup:
         param.grad = None
         if grad is None:
             return
+        grad = local_grad(grad, self.params[index])  # a TP gradient: its local tensor
         self.arrived.add(index)
         if self.grads.is_full_allocated:
             self._write_grad(index, grad)
@@ -548,7 +556,7 @@ class ParamGroup:
                 if mp.sharded.grad is not None:
                     mp.sharded.grad.local.add_(local)
                 else:
-                    spec = self.layout.shards[mp.fqn]
+                    spec = mp.sharded.ragged_shard  # with the TP record, for a TP parameter
                     mp.sharded.grad = RaggedTensor(local, spec, rank, group)
                 updated.append(mp.sharded)
         return updated
@@ -571,8 +579,8 @@ def _units(
     """Each parameter's unit, through the one entry point every planner uses
     (``resolve_units``): a group policy decides for the whole group, a plain one per
     parameter (seeing the parameter itself)."""
-    tensors = [(mp.fqn, tuple(mp.original.shape), dtype) for mp in params]
-    return resolve_units(policy, tensors, world, {mp.fqn: mp.original for mp in params})
+    tensors = [(mp.fqn, tuple(mp.local_original.shape), dtype) for mp in params]
+    return resolve_units(policy, tensors, world, {mp.fqn: mp.local_original for mp in params})
 
 
 def _use_hint(group: weakref.ref[ParamGroup]) -> str:

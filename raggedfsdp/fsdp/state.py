@@ -580,7 +580,8 @@ def _check_ranks_agree(states: list[FSDPState]) -> None:
             f"group {g.name!r} parameter {mp.fqn!r}: shape {g.layout.by_name[mp.fqn].shape}, "
             f"{g.orig_dtype}, unit {g.layout.by_name[mp.fqn].unit}, offset "
             f"{g.layout.offsets[mp.fqn]} of a {g.layout.segment_size}-element segment, "
-            f"requires_grad {mp.requires_grad}, {state.mp_policy}, reshard_after_forward "
+            f"requires_grad {mp.requires_grad}, TP {None if mp.tp is None else mp.tp.placement!r} "
+            f"over {1 if mp.tp is None else mp.tp.size}, {state.mp_policy}, reshard_after_forward "
             f"{state.reshard_after_forward}",
         )
         for state in states

@@ -8,7 +8,9 @@ Two mistakes look like training but change nothing, or the wrong thing:
   the guard refuses an optimizer that holds one, naming it and saying to build the optimizer
   after wrapping;
 * a step during backward, before the sharded gradients are reduced, or after a backward that
-  raised half-way, would read partial gradients.
+  raised half-way, would read partial gradients;
+* a blocked raggedfsdp optimizer (Muon, Shampoo, SOAP, AdamW8bit) on tensor-parallel
+  parameters would update each TP block as if it were the whole tensor (``check_tp_optimizer``).
 
 The guard is torch's global optimizer step pre-hook, so it covers every optimizer in the
 process, torch's and ours alike (torch wraps every ``Optimizer`` subclass's ``step``). It is
@@ -33,6 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from raggedfsdp.fsdp.state import in_backward, reduced_in_this_backward, unfinished_backward
+from raggedfsdp.fsdp.tensor_parallel import check_tp_optimizer
 from raggedfsdp.sharding import RaggedTensor
 
 __all__ = ["install_step_guard", "mark_replaced"]
@@ -90,7 +93,10 @@ def _check_params(optimizer: Optimizer) -> _Checked:
             if replaced is not None:
                 raise _replaced_parameter_error(optimizer, group, gi, i, replaced)
             params.append(p)
-    checked = _Checked(key, params, any(isinstance(p, RaggedTensor) for p in params))
+    sharded = any(isinstance(p, RaggedTensor) for p in params)
+    if sharded:
+        check_tp_optimizer(optimizer)
+    checked = _Checked(key, params, sharded)
     _CHECKED[optimizer] = checked
     return checked
 

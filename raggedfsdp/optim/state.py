@@ -289,9 +289,8 @@ def _copy_into(what: str, dst: Tensor, src: Any, check_only: bool = False) -> No
         return
     if check_only:
         return
-    if isinstance(dst, RaggedTensor):
-        start, stop = dst.local_range
-        dst.local.copy_(src.reshape(-1)[start:stop])
+    if isinstance(dst, RaggedTensor):  # a full tensor: this rank's piece (its TP block first)
+        dst.local.copy_(dst.piece_of(src).view_as(dst.local))
         return
     if dst.data_ptr() != src.data_ptr():
         dst.copy_(src)

@@ -21,6 +21,11 @@ per-rank math; never a local answer.
 It also speaks DCP's checkpoint protocol: a rank's flat range is written as the rectangular boxes
 it covers, so ``torch.distributed.checkpoint`` saves without gathering and loads at any other
 world size or layout.
+
+Under tensor parallelism the spec is a ``TPRaggedShard`` (``tp_shard.py``): what is cut over the
+data-parallel ranks is this rank's TP block, and the tensor still reports the global shape;
+gathers, whole-tensor answers, plain full-shape operands, random fills and DCP boxes then also
+account for the TP split.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from raggedfsdp.comm.nan_safe import WholeReduce, all_reduce_nan_safe
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard
+from raggedfsdp.sharding.tp_shard import global_shape_of, tp_of
 
 __all__ = ["RaggedTensor"]
 
@@ -119,8 +125,24 @@ class RaggedTensor(torch.Tensor):
 
     @property
     def local_range(self) -> tuple[int, int]:
-        """``(start, stop)`` of the local piece in the tensor's flat (row-major) storage."""
+        """``(start, stop)`` of the local piece in the flat (row-major) storage of the tensor
+        that is cut: the whole tensor, or under tensor parallelism this rank's TP block."""
         return self._spec.local_range(self._rank)
+
+    @property
+    def reduce_groups(self) -> tuple[dist.ProcessGroup | None, ...]:
+        """The process groups over which a whole-tensor answer (a norm, a sum) of this tensor
+        is combined, in order: the data-parallel group (none for a single rank), then the TP
+        group when the TP ranks hold different blocks. Replicated TP blocks count once."""
+        return _reduce_groups(self)
+
+    def piece_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece (a 1-D view where possible) of a plain tensor of the global
+        shape: its TP block under tensor parallelism, then the local flat range."""
+        tp = tp_of(self._spec)
+        block = full if tp is None else tp.local_of(full)
+        start, stop = self.local_range
+        return block.reshape(-1)[start:stop]
 
     def full_tensor(self) -> torch.Tensor:
         """Gather the whole tensor on every rank (for inspection and tests, not the hot path).
@@ -130,8 +152,17 @@ class RaggedTensor(torch.Tensor):
         group at large W) would make that gather as large as the whole group's buffer, so it
         travels as one all-reduce of its bytes instead: each rank writes its range over zeros,
         and a byte sum with one non-zero term is exact (``-0.0`` and NaN payloads included).
-        Which way is decided from the spec alone, the same on every rank.
+        Which way is decided from the spec alone, the same on every rank. Under tensor
+        parallelism the gathered TP block then goes through DTensor's own gather over the TP
+        group (every rank of both dims must call this).
         """
+        tp = tp_of(self._spec)
+        block = self._gather_block()
+        return block if tp is None else tp.gather(block)
+
+    def _gather_block(self) -> torch.Tensor:
+        """The tensor that is cut (the TP block under tensor parallelism), gathered over the
+        data-parallel ranks."""
         spec, local = self._spec, self._local.detach()
         if spec.world_size == 1 or spec.numel == 0:
             return local.clone().view(spec.shape)
@@ -184,10 +215,13 @@ class RaggedTensor(torch.Tensor):
 
     # ----------------------------------------------------------------------------- DCP protocol
     def _boxes(self) -> list[tuple[Box, int, int]]:
-        """The rectangular boxes of the local piece with their local flat ranges."""
+        """The rectangular boxes of the local piece, in global coordinates (shifted by the TP
+        block's offset under tensor parallelism), with their local flat ranges. Replicated TP
+        ranks write the same boxes, which DCP's planner saves once."""
         out, cursor = [], 0
+        tp = tp_of(self._spec)
         for box in self._spec.boxes(self._rank):
-            out.append((box, cursor, cursor + box.numel))
+            out.append((box if tp is None else tp.global_box(box), cursor, cursor + box.numel))
             cursor += box.numel
         return out
 
@@ -246,7 +280,7 @@ def _assemble(
 ) -> RaggedTensor:
     out = torch.Tensor._make_wrapper_subclass(
         RaggedTensor,
-        spec.shape,
+        global_shape_of(spec),
         dtype=local.dtype,
         device=local.device,
         requires_grad=requires_grad,
@@ -441,13 +475,11 @@ def _copy_(func, args, kwargs):
             _spec_of([dst, src])
             dst._local.copy_(src._local, **kwargs)
         elif src.numel() == dst.numel():  # a full tensor: keep this rank's piece of it
-            start, stop = dst.local_range
-            dst._local.copy_(src.reshape(-1)[start:stop], **kwargs)
+            dst._local.copy_(dst.piece_of(src.reshape(dst.shape)), **kwargs)
         elif src.numel() == 1:  # a scalar: every element alike (torch's error for more dims)
             dst._local.copy_(src.expand(dst.shape)[(0,) * dst.dim()], **kwargs)
         else:  # broadcast to the whole shape as torch does (its error where it cannot)
-            start, stop = dst.local_range
-            dst._local.copy_(src.expand(dst.shape).reshape(-1)[start:stop], **kwargs)
+            dst._local.copy_(dst.piece_of(src.expand(dst.shape)), **kwargs)
         return dst
     raise NotImplementedError("copying a RaggedTensor into a plain tensor: use .full_tensor()")
 
@@ -467,8 +499,7 @@ def _random_fill(func, args, kwargs):
     dst = args[0]
     full = torch.empty(dst.shape, dtype=dst.dtype, device=dst.device)
     func(full, *args[1:], **kwargs)
-    start, stop = dst.local_range
-    dst._local.copy_(full.view(-1)[start:stop])
+    dst._local.copy_(dst.piece_of(full))
     return dst
 
 
@@ -477,12 +508,21 @@ def _named_arguments(func, args: tuple, kwargs: dict) -> dict[str, Any]:
     return {a.name: v for a, v in zip(func._schema.arguments, args, strict=False)} | kwargs
 
 
+def _reduce_groups(like: RaggedTensor) -> tuple[dist.ProcessGroup | None, ...]:
+    """The groups over which a whole-tensor answer of ``like`` is combined: its
+    data-parallel group (unless it is a single rank), then the TP group when the TP ranks
+    hold different blocks (replicated blocks count once)."""
+    tp = tp_of(like._spec)
+    groups = () if like._spec.world_size == 1 else (like.group,)
+    return groups if tp is None or tp.reduce_group is None else (*groups, tp.reduce_group)
+
+
 def _combined(value: torch.Tensor, like: RaggedTensor, op: WholeReduce) -> torch.Tensor:
-    """``value`` combined over ``like``'s process group by ``op``, NaN propagating as in torch's
-    reductions whatever the backend (as is for a single rank)."""
-    if like._spec.world_size == 1:
-        return value
-    return all_reduce_nan_safe(value, op, like.group)
+    """``value`` combined over ``like``'s data-parallel (and TP) groups by ``op``, NaN
+    propagating as in torch's reductions whatever the backend (as is for a single rank)."""
+    for group in _reduce_groups(like):
+        value = all_reduce_nan_safe(value, op, group)
+    return value
 
 
 def _empty_whole(src: torch.Tensor) -> torch.Tensor:
@@ -552,12 +592,14 @@ def _norms(func, args, kwargs):
     dtypes = [_norm_dtypes(t.dtype, named.get("dtype")) for t in tensors]
     parts = [_norm_part(t, order, acc) for t, (acc, _) in zip(tensors, dtypes, strict=True)]
     op: WholeReduce = "max" if order == math.inf else "min" if order == -math.inf else "sum"
-    by_group: dict[Any, list[int]] = {}
+    by_groups: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
-        if isinstance(t, RaggedTensor) and t._spec.world_size > 1:
-            by_group.setdefault(t.group, []).append(i)
-    for group, members in by_group.items():
-        stacked = all_reduce_nan_safe(torch.stack([parts[i] for i in members]), op, group)
+        if isinstance(t, RaggedTensor) and _reduce_groups(t):
+            by_groups.setdefault(_reduce_groups(t), []).append(i)
+    for groups, members in by_groups.items():
+        stacked = torch.stack([parts[i] for i in members])
+        for group in groups:
+            stacked = all_reduce_nan_safe(stacked, op, group)
         for i, value in zip(members, stacked, strict=True):
             parts[i] = value
     rooted = op == "sum" and order != 0
@@ -658,8 +700,7 @@ def _paired_pieces(func, a: Any, b: Any) -> tuple[torch.Tensor, torch.Tensor, Ra
                 )
             return t._local
         if t.shape == ragged.shape:
-            start, stop = ragged.local_range
-            return t.reshape(-1)[start:stop]
+            return ragged.piece_of(t)
         return _plain_operand(t, ragged)
 
     return piece(a), piece(b), ragged
@@ -708,7 +749,7 @@ def _amp_unscale(func, args, kwargs):
         named["inv_scale"],
     )
     groups = {
-        g.group: None for g in grads if isinstance(g, RaggedTensor) and g._spec.world_size > 1
+        group: None for g in grads if isinstance(g, RaggedTensor) for group in _reduce_groups(g)
     }
     for group in groups:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)

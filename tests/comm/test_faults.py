@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from raggedfsdp.comm.launch import free_port
+from raggedfsdp.comm.launch import serving_store
 
 ROOT = Path(__file__).resolve().parents[2]
 # The collective timeout: a survivor that waited for it would fail ``TIMEOUT`` s after the kill
@@ -23,33 +23,33 @@ PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Brok
 
 
 def _run(world: int, kill_rank: int, collective: str, at: int, optimizer: str, checkpoint: str):
-    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [
-                *(sys.executable, "-m", "tests.support.fault_worker", "--rank", str(r)),
-                *("--world", str(world), "--port", str(port), "--kill-rank", str(kill_rank)),
-                *("--collective", collective, "--at", str(at), "--timeout", str(TIMEOUT)),
-                *("--optimizer", optimizer, "--checkpoint", checkpoint),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=TIMEOUT + 60)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            pytest.fail(f"a rank hung past the collective timeout ({collective} at call {at})")
-        results.append((proc.returncode, out + err))
+    with serving_store() as port:
+        procs = [
+            subprocess.Popen(
+                [
+                    *(sys.executable, "-m", "tests.support.fault_worker", "--rank", str(r)),
+                    *("--world", str(world), "--port", str(port), "--kill-rank", str(kill_rank)),
+                    *("--collective", collective, "--at", str(at), "--timeout", str(TIMEOUT)),
+                    *("--optimizer", optimizer, "--checkpoint", checkpoint),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(world)
+        ]
+        results = []
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=TIMEOUT + 60)
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                pytest.fail(f"a rank hung past the collective timeout ({collective} at call {at})")
+            results.append((proc.returncode, out + err))
     return results
 
 

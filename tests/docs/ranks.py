@@ -3,8 +3,10 @@
 torchrun hands each rank ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous address
 in its environment; a script that calls ``init_process_group()`` reads them from there. Setting
 them directly starts the same ranks with one interpreter fewer (the agent's own torch import
-costs seconds on a loaded machine), on 127.0.0.1 with a free port and gloo pinned to the
-loopback device (``raggedfsdp.comm.launch``).
+costs seconds on a loaded machine), on 127.0.0.1 with gloo pinned to the loopback device
+(``raggedfsdp.comm.launch``). As under torchrun, the rendezvous store is served by the launching
+process (``TORCHELASTIC_USE_AGENT_STORE``), not by rank 0: a rank 0 that exits first would take
+the store away from ranks still tearing their group down (gloo aborted one of them so, once).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from raggedfsdp.comm.launch import LOCALHOST, free_port, loopback_interface
+from raggedfsdp.comm.launch import LOCALHOST, loopback_interface, serving_store
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -33,23 +35,29 @@ def run_ranks(
     """Start ``python *argv`` as ``nproc`` ranks (``nproc=0``: one plain process, no
     torchrun variables) and wait for all of them."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    if nproc:
-        port, interface = free_port(), loopback_interface()
+    if not nproc:
+        return _wait([_start(argv, cwd, env)], timeout)
+    with serving_store() as port:
         env |= {"MASTER_ADDR": LOCALHOST, "MASTER_PORT": str(port), "WORLD_SIZE": str(nproc)}
-        env |= {"LOCAL_WORLD_SIZE": str(nproc)}
-        if interface is not None:
+        env |= {"LOCAL_WORLD_SIZE": str(nproc), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        if (interface := loopback_interface()) is not None:
             env.setdefault("GLOO_SOCKET_IFNAME", interface)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, *argv],
-            cwd=cwd,
-            env=env | ({"RANK": str(r), "LOCAL_RANK": str(r)} if nproc else {}),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(max(nproc, 1))
-    ]
+        ranks = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(nproc)]
+        return _wait([_start(argv, cwd, env | rank) for rank in ranks], timeout)
+
+
+def _start(argv: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait(procs: list[subprocess.Popen], timeout: float) -> list[RankResult]:
     results = []
     try:
         for rank, proc in enumerate(procs):

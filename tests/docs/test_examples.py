@@ -9,6 +9,7 @@ import pytest
 from tests.docs.ranks import ROOT, failures, run_ranks
 
 EXAMPLES = ROOT / "examples"
+TP_ARGS = ["--steps", "6", "--dim", "32", "--layers", "1", "--seq", "8", "--vocab", "64"]
 # script -> [(ranks as torchrun would start them, 0 = one plain process; arguments)]
 RUNS = {
     "demo.py": [(0, ["--world-size", "3", "--rows", "32"])],  # its own ranks; odd W, 32-row units
@@ -16,6 +17,7 @@ RUNS = {
         (0, ["--steps", "6", "--dim", "64", "--layers", "1", "--seq", "8", "--vocab", "64"]),
         (2, ["--steps", "6", "--dim", "64", "--layers", "1", "--seq", "8", "--vocab", "64"]),
     ],
+    "tensor_parallel.py": [(0, TP_ARGS), (4, ["--tp", "2", *TP_ARGS])],  # 1 x 1; dp 2 x tp 2
 }
 CASES = [(name, nproc, args) for name, runs in RUNS.items() for nproc, args in runs]
 

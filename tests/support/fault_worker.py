@@ -87,7 +87,8 @@ def main() -> None:
 def _train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     pin_gloo_to_loopback()
-    store = dist.TCPStore("127.0.0.1", args.port, args.world, args.rank == 0)
+    # The store is the test's (serving_store): it outlives the rank the test kills.
+    store = dist.TCPStore("127.0.0.1", args.port, is_master=False)
     dist.init_process_group(
         "gloo",
         store=store,

@@ -1,0 +1,182 @@
+"""Tensor parallelism inside a ``fully_shard`` group: parameters that are DTensors on a TP mesh.
+
+torchtitan's code, unchanged: ``parallelize_module(block, mesh["tp"], plan)`` turns weights into
+DTensors on the 1-D TP mesh (``ColwiseParallel``: ``Shard(0)``, ``RowwiseParallel``:
+``Shard(1)``, ``SequenceParallel`` norms: ``Replicate()``), then ``fully_shard(block,
+mesh=mesh["dp_shard"])`` (or ``mesh["dp_replicate", "dp_shard"]``) shards them over data
+parallel. Here each such parameter is planned by its TP-local tensor, so units never cross a TP
+block; the sharded parameter is a ``RaggedTensor`` whose spec carries the TP record
+(``TPRaggedShard``: global shape, placement, mesh); before forward the gathered local tensor is
+handed to the module as the same DTensor TP's hooks expect; gradients arrive as DTensors,
+are brought to the parameter's placement by DTensor (TP's own reductions, e.g. the
+sequence-parallel norms' partial sums, as FSDP2 does) and only their local tensors enter the
+flat gradient buffer, which is reduce-scattered over data parallel alone.
+
+Everything that cannot compose is refused here, before anything changes, in one line naming
+the parameter and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from raggedfsdp.comm import ShardMesh
+from raggedfsdp.fsdp.managed_param import ManagedParam
+from raggedfsdp.sharding import RaggedShard, ShardPolicy, resolve_units
+from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_of
+
+__all__ = [
+    "check_tp_optimizer",
+    "local_grad",
+    "tp_block_notes",
+    "tp_shard_of",
+    "tp_spec",
+]
+
+
+def tp_shard_of(fqn: str, param: torch.Tensor, mesh: ShardMesh) -> TPShard | None:
+    """The TP record of a DTensor parameter (``None`` for a plain one), after checking that it
+    composes with data parallelism over ``mesh``."""
+    if not isinstance(param, DTensor):
+        return None
+    tp_mesh, placements = param.device_mesh, tuple(param.placements)
+    where = f"parameter {fqn!r} is a DTensor with placements {placements} on a {tp_mesh}"
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"{where}: fully_shard composes with tensor-parallel DTensors on a 1-D TP mesh; "
+            "apply parallelize_module(module, mesh['tp'], plan) and pass the data-parallel "
+            "dims as fully_shard(..., mesh=mesh['dp_shard']) (DTensors on the full mesh, "
+            "torch's SPMD form, are not supported yet)"
+        )
+    placement = placements[0]
+    if isinstance(placement, _StridedShard) or not isinstance(placement, (Shard, Replicate)):
+        raise ValueError(
+            f"{where}: fully_shard composes with Shard(dim) and Replicate() TP placements only "
+            f"(as parallelize_module leaves them), not {placement!r}; redistribute it to one of "
+            "those before fully_shard (a Partial parameter has no values yet to shard)"
+        )
+    shape = tuple(param.shape)
+    if isinstance(placement, Shard):
+        dim = placement.dim % len(shape)
+        placement = Shard(dim)
+        if shape[dim] % tp_mesh.size():
+            raise ValueError(
+                f"{where}: its dim {dim} of size {shape[dim]} does not divide by the TP degree "
+                f"{tp_mesh.size()}; choose a TP degree that divides it (or pad the dim)"
+            )
+    _check_disjoint(where, tp_mesh, mesh)
+    tp = TPShard(tp_mesh, placement, shape, tuple(param.stride()), tp_mesh.get_local_rank())
+    if tuple(param.to_local().shape) != tp.local_shape:
+        raise ValueError(
+            f"{where}: its local tensor has shape {tuple(param.to_local().shape)}, not the "
+            f"{tp.local_shape} of an even split; build it with parallelize_module or "
+            "distribute_tensor"
+        )
+    return tp
+
+
+def _check_disjoint(where: str, tp_mesh: torch.distributed.DeviceMesh, mesh: ShardMesh) -> None:
+    """The TP mesh must be another dim than the data-parallel ones: the only rank it shares
+    with the shard and replicate groups is this one (else it is the dp mesh itself, or the
+    whole mesh was passed to fully_shard), and on the same device type."""
+    dp_mesh = mesh.device_mesh
+    if dp_mesh is not None and dp_mesh.device_type != tp_mesh.device_type:
+        raise ValueError(
+            f"{where}: its mesh is on {tp_mesh.device_type!r} but fully_shard's is on "
+            f"{dp_mesh.device_type!r}; build both from one init_device_mesh"
+        )
+    dp_ranks: set[int] = set()
+    for group in (mesh.shard_group, mesh.replicate_group):
+        if group is not None:
+            dp_ranks.update(dist.get_process_group_ranks(group))
+    shared = dp_ranks & set(tp_mesh.mesh.flatten().tolist())
+    if shared - {dist.get_rank()}:
+        raise ValueError(
+            f"{where}, which shares ranks {sorted(shared)} with fully_shard's data-parallel "
+            "mesh: the TP mesh must be another dim of the same device mesh. Pass "
+            "fully_shard(..., mesh=mesh['dp_shard']) (or mesh['dp_replicate', 'dp_shard']) and "
+            "parallelize_module(..., mesh['tp'], ...) of one init_device_mesh"
+        )
+
+
+def tp_spec(spec: RaggedShard, mp: ManagedParam) -> RaggedShard:
+    """The sharded parameter's spec: the planned one, with the TP record for a TP parameter."""
+    return spec if mp.tp is None else TPRaggedShard.of(spec, mp.tp)
+
+
+def local_grad(grad: torch.Tensor, mp: ManagedParam) -> torch.Tensor:
+    """The local tensor of a TP parameter's gradient at the parameter's own placement.
+
+    A replicated weight applied to sequence-sharded activations (a ``SequenceParallel`` norm)
+    gets a ``Partial`` gradient; DTensor's ``redistribute`` sums it over the TP group, the one
+    TP reduction it needs (FSDP2 does the same). Data parallel is reduced by the caller."""
+    if mp.tp is None or not isinstance(grad, DTensor):
+        return grad
+    if tuple(grad.placements) != (mp.tp.placement,):
+        grad = grad.redistribute(placements=(mp.tp.placement,))
+    local = grad.to_local()
+    # a functional collective's result (the redistribute's): wait for it here, on the stream
+    # that computed the gradient, before the flat buffer reads it
+    return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
+
+
+def tp_block_notes(
+    params: list[ManagedParam], policy: ShardPolicy, units: dict[str, int], world: int
+) -> tuple[str, ...]:
+    """Where the TP split cuts a block the shard policy asks for in *global* coordinates.
+
+    Units are planned on each TP-local tensor, so they never cross a TP block; but the policy
+    asked for blocks of the global tensor (an 8-bit quantization block, 32 rows): such a block
+    stays whole on a TP rank only if its unit is the same on the local and the global shape
+    and divides the contiguous runs the TP block holds (the whole block for ``Shard(0)``, rows
+    of ``prod(local_shape[d:])`` elements for ``Shard(d)``)."""
+    tp_params = [mp for mp in params if mp.tp is not None and mp.tp.dim is not None]
+    if not tp_params:
+        return ()
+    tensors = [(mp.fqn, mp.tp.global_shape, mp.original.dtype) for mp in tp_params]
+    global_units = resolve_units(policy, tensors, world, {mp.fqn: mp.original for mp in tp_params})
+    notes = []
+    for mp in tp_params:
+        unit, run = global_units[mp.fqn], math.prod(mp.tp.local_shape[mp.tp.dim :])
+        if unit > 1 and (unit != units[mp.fqn] or run % unit):
+            notes.append(
+                f"{mp.fqn!r}: the TP split {mp.tp.placement!r} over {mp.tp.size} ranks cuts the "
+                f"shard policy's {unit}-element blocks of the global {mp.tp.global_shape} tensor "
+                f"(each TP rank holds runs of {run}); units follow the TP-local "
+                f"{mp.tp.local_shape} tensor ({units[mp.fqn]} elements), so an optimizer "
+                "blocked in global coordinates would see other blocks than on one process"
+            )
+    return tuple(notes)
+
+
+def check_tp_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse raggedfsdp's blocked optimizers (AdamW8bit, Muon, Shampoo, SOAP) on TP parameters:
+    they would compute each TP block as if it were the whole matrix (Newton-Schulz, Shampoo
+    blocks, 8-bit blocks), a per-TP-shard update that differs from the single-process one.
+    Element-wise ones (``raggedfsdp.optim.AdamW``, every element-wise ``torch.optim``) are
+    exact on the local pieces. Raised by the step guard before the step touches anything."""
+    from raggedfsdp.optim import AdamW, ShardedOptimizer
+
+    if not isinstance(optimizer, ShardedOptimizer) or isinstance(optimizer, AdamW):
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            tp = tp_of(getattr(p, "ragged_shard", None))
+            if tp is None:
+                continue
+            names = group.get("param_names")
+            label = repr(names[i]) if names else f"param_groups[{gi}][{i}]"
+            kind = type(optimizer).__name__
+            raise NotImplementedError(
+                f"{kind}.step(): parameter {label} ({p.ragged_shard.name!r} of its fully_shard "
+                f"group) is tensor-parallel ({tp.placement!r} over {tp.size} ranks); {kind} "
+                "would update each TP block as a whole matrix, unlike one process. Not "
+                "supported yet: give TP parameters to raggedfsdp.optim.AdamW (or "
+                "torch.optim.AdamW) in a second optimizer, or run without tensor parallelism"
+            )

@@ -1,0 +1,154 @@
+"""``TPShard`` and ``TPRaggedShard``: a ragged data-parallel split of one tensor-parallel shard.
+
+Under tensor parallelism (``parallelize_module`` with ``ColwiseParallel``, ``RowwiseParallel``,
+``SequenceParallel``) each parameter is a DTensor on a 1-D TP mesh: ``Shard(0)`` (a block of
+rows), ``Shard(1)`` (a block of columns) or ``Replicate()``. ``fully_shard`` then cuts each TP
+rank's *local* tensor into units over the data-parallel ranks, so a unit never crosses a TP
+shard boundary. ``TPShard`` records where that local tensor sits in the global one (the TP
+mesh, placement, global shape and stride, the TP coordinate); ``TPRaggedShard`` is the
+``RaggedShard`` of the local tensor with its ``TPShard`` attached.
+
+The TP record lives *in the spec* on purpose: optimizers build their sharded state as
+``RaggedTensor(local, param.ragged_shard, ...)``, so state tensors made from a TP parameter's
+spec know their global shape and placement too (full state dicts and DCP boxes in global
+coordinates) without the optimizer knowing about TP. ``RaggedShard.shape`` stays the shape
+that is cut (the TP-local one): every unit and box rule keeps working unchanged on it.
+
+Unlike ``ragged_shard.py`` this needs torch (the TP mesh is a ``DeviceMesh``), so it is
+imported by the torch-side modules only (``ragged_tensor``, ``fully_shard``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from raggedfsdp.sharding.ragged_shard import Box, RaggedShard
+
+__all__ = ["TPRaggedShard", "TPShard", "global_shape_of", "tp_of"]
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Where one TP rank's local tensor lies in the global tensor.
+
+    Args:
+        mesh: the 1-D TP ``DeviceMesh`` the DTensor lives on.
+        placement: ``Shard(d)`` or ``Replicate()`` (``fully_shard`` refuses any other).
+        global_shape: the DTensor's global shape.
+        global_stride: the DTensor's global stride (TP's hooks compare it).
+        rank: this process's coordinate on ``mesh``.
+    """
+
+    mesh: DeviceMesh
+    placement: Placement
+    global_shape: tuple[int, ...]
+    global_stride: tuple[int, ...]
+    rank: int
+
+    def __deepcopy__(self, memo: dict) -> TPShard:
+        # Immutable, and a DeviceMesh holds process groups, which cannot be copied: DCP's
+        # ``async_save`` deep-copies state dicts, specs included
+        return self
+
+    @property
+    def size(self) -> int:
+        """The TP degree."""
+        return self.mesh.size()
+
+    @property
+    def dim(self) -> int | None:
+        """The global dim the TP split cuts, or ``None`` for ``Replicate()``."""
+        return self.placement.dim if isinstance(self.placement, Shard) else None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.global_shape)
+        if self.dim is not None:
+            shape[self.dim] //= self.size
+        return tuple(shape)
+
+    @property
+    def offset(self) -> int:
+        """Start of this rank's block along ``dim`` (0 when replicated)."""
+        return 0 if self.dim is None else self.rank * self.local_shape[self.dim]
+
+    @property
+    def reduce_group(self) -> ProcessGroup | None:
+        """The group over which whole-tensor answers (norms, sums, ``equal``) must also be
+        combined: the TP group when the ranks hold different blocks, ``None`` when they hold
+        the same (replicated) values, which must be counted once."""
+        return None if self.dim is None else self.mesh.get_group(0)
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's block of a tensor of the global shape (a view)."""
+        return (
+            full
+            if self.dim is None
+            else full.narrow(self.dim, self.offset, self.local_shape[self.dim])
+        )
+
+    def global_box(self, box: Box) -> Box:
+        """A box of the local tensor in global coordinates (for DCP chunks)."""
+        if self.dim is None or not box.offsets:
+            return box
+        offsets = list(box.offsets)
+        offsets[self.dim] += self.offset
+        return Box(tuple(offsets), box.sizes)
+
+    def dtensor(self, local: torch.Tensor) -> DTensor:
+        """``local`` (this rank's block) as the DTensor TP's hooks expect: same mesh, placement,
+        global shape and stride. No communication; shares ``local``'s storage."""
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            (self.placement,),
+            run_check=False,
+            shape=torch.Size(self.global_shape),
+            stride=self.global_stride,
+        )
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor from this rank's block (one collective over the TP group when
+        sharded, none when replicated)."""
+        return local if self.dim is None else self.dtensor(local).full_tensor()
+
+
+@dataclass(frozen=True, repr=False)
+class TPRaggedShard(RaggedShard):
+    """The ``RaggedShard`` of a TP-local tensor (``shape`` is the local shape) with the
+    ``TPShard`` saying where that tensor lies in the global one."""
+
+    tp: TPShard | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.tp is None or tuple(self.shape) != self.tp.local_shape:
+            raise ValueError(
+                f"tensor {self.name!r}: a TPRaggedShard cuts the TP-local tensor of shape "
+                f"{None if self.tp is None else self.tp.local_shape}, got shape {self.shape}"
+            )
+
+    def __repr__(self) -> str:
+        return f"{super().__repr__()[:-1]}, tp={self.tp.placement} of {self.tp.size})"
+
+    @classmethod
+    def of(cls, spec: RaggedShard, tp: TPShard) -> TPRaggedShard:
+        """``spec`` (planned for the local tensor) with ``tp`` attached."""
+        return cls(spec.shape, spec.unit, spec.units_per_rank, spec.name, tp)
+
+
+def tp_of(spec: Any) -> TPShard | None:
+    """The TP record of a spec, or ``None`` for a tensor sharded over data parallel only."""
+    return spec.tp if isinstance(spec, TPRaggedShard) else None
+
+
+def global_shape_of(spec: RaggedShard) -> tuple[int, ...]:
+    """The shape a ``RaggedTensor`` split by ``spec`` reports: the global one under TP."""
+    tp = tp_of(spec)
+    return spec.shape if tp is None else tp.global_shape
