@@ -198,8 +198,8 @@ def test_hsdp_gathers_over_the_shard_dim_with_the_same_result(pool):
 
 @pytest.mark.parametrize("world_size", [3])
 def test_notes_list_what_stays_in_bf16_and_strict_names_it(pool):
-    notes = pool.run(_gathered)[0]["notes"]
-    assert "FP8 all-gather: kept in bfloat16: small, bias" in notes
+    for res in pool.run(_gathered):  # every rank's group notes the same
+        assert "FP8 all-gather: kept in bfloat16: small, bias" in res["notes"]
     strict = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=Float8Blocks(4, True))
     with pytest.raises(ValueError, match=r"cannot tile small \(3, 16\): each matrix needs"):
         fully_shard(Params(), mp_policy=strict)
@@ -214,8 +214,8 @@ def test_mx_gathered_weights_and_scales_equal_one_process_quantization(pool):
 
 @pytest.mark.parametrize("world_size", [3])
 def test_mx_notes_list_what_stays_in_bf16_and_strict_names_it(pool):
-    notes = pool.run(_gathered, False, MX)[0]["notes"]
-    assert "FP8 all-gather: kept in bfloat16: odd, bias" in notes
+    for res in pool.run(_gathered, False, MX):
+        assert "FP8 all-gather: kept in bfloat16: odd, bias" in res["notes"]
     strict = MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=MXFP8Blocks(True))
     with pytest.raises(ValueError, match=r"cannot tile odd \(7, 48\): each row needs a multiple"):
         fully_shard(Params(MX_SHAPES), mp_policy=strict)
