@@ -6,5 +6,6 @@ decoder; ``moe_config`` and ``moe`` its Mixture-of-Experts family), ``data`` and
 with raggedfsdp or PyTorch FSDP2), ``optimizers`` (choice, parameter groups, LR schedule),
 ``checkpoint`` (atomic DCP checkpoints; ``checkpoint_files`` checks one before it is loaded),
 ``metrics`` (MFU, memory, wandb, plot) and finally ``train``, the loop that uses them all.
-``prepare`` is the command that tokenizes text files; ``launch`` is torchrun ending quietly.
+``prepare`` is the command that tokenizes documents (text, jsonl, parquet; ``documents``) with
+a byte, Hugging Face or tiktoken tokenizer (``tokenizer``); ``launch`` is torchrun ending quietly.
 """

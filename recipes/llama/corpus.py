@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-__all__ = ["DEFAULT_STORIES", "generate"]
+__all__ = ["DEFAULT_STORIES", "generate", "stories"]
 
 DEFAULT_STORIES = 1000
 
@@ -170,7 +170,13 @@ def _story(rng: random.Random) -> str:
     return " ".join(lines)
 
 
-def generate(stories: int = DEFAULT_STORIES, seed: int = 0) -> str:
-    """``stories`` stories separated by blank lines; the same text for the same arguments."""
+def stories(count: int = DEFAULT_STORIES, seed: int = 0) -> list[str]:
+    """``count`` stories, each one document of the default dataset; the same for the same
+    arguments."""
     rng = random.Random(seed)
-    return "\n\n".join(_story(rng) for _ in range(stories)) + "\n"
+    return [_story(rng) for _ in range(count)]
+
+
+def generate(count: int = DEFAULT_STORIES, seed: int = 0) -> str:
+    """The stories as one text, separated by blank lines (the form the tests pin by sha256)."""
+    return "\n\n".join(stories(count, seed)) + "\n"

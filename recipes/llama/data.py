@@ -1,10 +1,12 @@
 """Token files (nanoGPT's format plus a meta file) and deterministic, rank-sliced batches.
 
 A data directory holds ``train.bin`` and ``val.bin`` (flat little-endian ``uint16`` tokens, or
-``uint32`` for vocabularies over 65,536) and ``meta.json`` (tokenizer, vocabulary size, dtype,
-token counts, sha256 of each file). ``prepare`` writes them from text files; ``TokenData.open``
-memory-maps them after checking that they are what ``meta.json`` says, so a missing, truncated
-or foreign file fails with a message that says what to do instead of training on garbage.
+``uint32`` for vocabularies over 65,536) and ``meta.json`` (the tokenizer's name, sha256,
+vocabulary size and special tokens, dtype, token and document counts, sha256 of each file).
+``recipes.llama.prepare`` writes them from documents; ``TokenData.open`` memory-maps them after
+checking that they are what ``meta.json`` says and that the model's vocabulary covers the
+data's, so a missing, truncated or foreign file fails with a message that says what to do
+instead of training on garbage.
 
 Batches are a function of ``(seed, step)`` alone: the starts of step s's sequences come from
 ``numpy.random.default_rng([seed, split, s])``, and each rank reads only its rows of that global
@@ -17,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from recipes.llama import corpus
-
 __all__ = [
     "DEFAULT_DATA_DIR",
     "Batches",
-    "ByteTokenizer",
     "DataError",
     "TokenData",
-    "prepare",
-    "prepare_default",
     "sha256_file",
+    "write_atomic",
 ]
 
 DEFAULT_DATA_DIR = "runs/data/default"
@@ -50,22 +47,6 @@ class DataError(ValueError):
     """A data directory that cannot be used as it is (the message says how to fix it)."""
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, works offline, needs no training."""
-
-    name = "bytes"
-    vocab_size = 256
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-    def decode(self, tokens: Iterable[int]) -> str:
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-TOKENIZERS = {ByteTokenizer.name: ByteTokenizer}
-
-
 def sha256_file(path: Path) -> str:
     """The file's sha256, read in 1 MiB chunks (data files and checkpoint files alike)."""
     digest = hashlib.sha256()
@@ -75,70 +56,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename: readers see the old
+    file or the new one, never part of one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-def prepare(
-    documents: Iterable[tuple[str, str]],
-    out_dir: str | Path,
-    val_fraction: float = 0.1,
-    tokenizer: str = "bytes",
-) -> dict[str, Any]:
-    """Tokenize ``(name, text)`` documents into ``out_dir``; the last ``val_fraction`` of each
-    document goes to validation. ``meta.json`` is written last, so a directory without it is
-    an unfinished one. Returns the meta."""
-    if not 0 < val_fraction < 1:
-        raise DataError(f"val_fraction={val_fraction} must be between 0 and 1")
-    if tokenizer not in TOKENIZERS:
-        raise DataError(f"unknown tokenizer {tokenizer!r}; available: {', '.join(TOKENIZERS)}")
-    tok = TOKENIZERS[tokenizer]()
-    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
-    counts, sources = {"train": 0, "val": 0}, []
-    tmp = {split: out / f".{split}.bin.{os.getpid()}.tmp" for split in counts}
-    with tmp["train"].open("wb") as train, tmp["val"].open("wb") as val:
-        for name, text in documents:
-            tokens = tok.encode(text).astype(DTYPES[dtype])
-            cut = len(tokens) - int(len(tokens) * val_fraction)
-            train.write(tokens[:cut].tobytes())
-            val.write(tokens[cut:].tobytes())
-            counts["train"] += cut
-            counts["val"] += len(tokens) - cut
-            sources.append(name)
-    for split, path in tmp.items():
-        os.replace(path, out / f"{split}.bin")
-    meta = {
-        "format": FORMAT,
-        "tokenizer": tok.name,
-        "vocab_size": tok.vocab_size,
-        "dtype": dtype,
-        "tokens": counts,
-        "sha256": {split: sha256_file(out / f"{split}.bin") for split in counts},
-        "sources": sources,
-    }
-    _write_atomic(out / "meta.json", json.dumps(meta, indent=1).encode())
-    return meta
-
-
-def read_documents(paths: Iterable[str | Path]) -> Iterable[tuple[str, str]]:
-    """Text files as ``(path, text)``, one at a time (memory holds one file)."""
-    for path in map(Path, paths):
-        if not path.is_file():
-            raise DataError(f"input file {str(path)!r} does not exist")
-        try:
-            yield str(path), path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"input file {str(path)!r} is not UTF-8 text: {err}") from None
-
-
-def prepare_default(out_dir: str | Path) -> dict[str, Any]:
-    """The embedded corpus (``recipes.llama.corpus``) as token files."""
-    return prepare([("recipes.llama.corpus", corpus.generate())], out_dir)
 
 
 @dataclass
@@ -156,8 +79,10 @@ class TokenData:
         meta = _read_meta(root)
         if meta["vocab_size"] > vocab_size:
             raise DataError(
-                f"{root} was tokenized with a {meta['vocab_size']}-token vocabulary but the "
-                f"model has model.vocab_size={vocab_size}; raise model.vocab_size"
+                f"{root} holds tokens of {meta.get('tokenizer', 'a tokenizer')} with a "
+                f"{meta['vocab_size']}-token vocabulary but the model's embedding has "
+                f"model.vocab_size={vocab_size}: pass --model.vocab-size {meta['vocab_size']} "
+                f"(or more) or a --config preset whose vocabulary covers it"
             )
         splits = {split: _map(root, split, meta, seq_len) for split in ("train", "val")}
         return cls(splits["train"], splits["val"], meta)
@@ -167,9 +92,11 @@ def _read_meta(root: Path) -> dict[str, Any]:
     path = root / "meta.json"
     if not path.is_file():
         raise DataError(
-            f"no token files in {str(root)!r} (meta.json is missing): run "
-            f"`python -m recipes.llama.prepare --out {root} FILE...`, or use the default "
-            f"data_dir ({DEFAULT_DATA_DIR}), which is prepared from the embedded corpus"
+            f"no token files in {str(root)!r} (meta.json is missing): run `python -m "
+            f"recipes.llama.prepare --out {root} --tokenizer TOKENIZER FILE...` (text, jsonl "
+            f"or parquet; TOKENIZER a tokenizer.json or tiktoken file whose vocabulary the "
+            f"model's covers), or use the default data_dir ({DEFAULT_DATA_DIR}), prepared "
+            f"from the embedded corpus"
         )
     try:
         meta = json.loads(path.read_text())

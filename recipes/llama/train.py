@@ -45,7 +45,6 @@ from recipes.llama.data import (
     Batches,
     DataError,
     TokenData,
-    prepare_default,
 )
 from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes, router_metrics
 from recipes.llama.model import flops_per_token, matmul_params
@@ -61,6 +60,7 @@ from recipes.llama.parallel import (
     full_weights,
     set_threads,
 )
+from recipes.llama.prepare import prepare_default
 from recipes.llama.run_record import Finished, clear_finished, mark_finished, read_finished
 
 __all__ = ["RunResult", "main", "train", "train_step"]
