@@ -48,11 +48,13 @@ def _records(run_dir: Path) -> list[dict]:
 )
 def test_every_optimizer_trains_moe_tiny_at_w2(dist_pool, data_dir, tmp_path, flags):
     run_dir = tmp_path / "run"
-    extra = ("--steps", "4", "--eval-every", "0", "--checkpoint-every", "0", *flags)
+    extra = ("--steps", "6", "--eval-every", "0", "--checkpoint-every", "0", *flags)
     losses = dist_pool(2).run(run_train, moe_args(data_dir, run_dir, *extra), timeout=120)
     steps = losses[0].losses
     assert all(math.isfinite(v) for v in steps.values())
-    assert steps[4] < steps[1] - 0.3, steps  # 5.55 -> ~4.3-4.9 in 4 steps (SOAP the slowest)
+    # 5.53 -> below 5.2 in 6 steps on the story-per-document corpus; SOAP is the slowest (its
+    # first step only builds its eigenbases): 5.25 after 4 steps
+    assert steps[6] < steps[1] - 0.3, steps
     records = _records(run_dir)
     assert all(key in r for r in records for key in MOE_METRICS)
     assert all(r["moe/dropped_tokens"] == 0 and r["moe/max_load"] >= 1 for r in records)
