@@ -42,6 +42,7 @@ under raggedfsdp's structure-aware sharding, before you rent the GPUs."""
 EXAMPLES = """examples:
   {prog} plan llama3-70b --world-size 1024
   {prog} plan deepseek-v3 --mesh 8x256 --unit-rows 128 --optimizer adamw8bit
+  {prog} plan llama3-70b --mesh 4x32x8
   {prog} plan path/to/config.json -w 64 --experts fused --optimizer muon --json
   {prog} plan shapes.json --model my-model -w 8 --gpu-memory 80
   {prog} plan deepseek-v3 -w 256 --all-gather fp8
@@ -160,7 +161,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("-w", "--world-size", type=_positive_int, help="FSDP ranks")
-    where.add_argument("--mesh", help="HSDP mesh REPLICATExSHARD, e.g. 4x256")
+    where.add_argument(
+        "--mesh",
+        help="HSDP mesh REPLICATExSHARD, e.g. 4x256, or REPLICATExSHARDxTP with a "
+        "tensor-parallel dim (torchtitan's Llama plan), e.g. 4x32x8",
+    )
     parser.add_argument(
         "--unit",
         choices=UNIT_KINDS,

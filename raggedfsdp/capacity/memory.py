@@ -29,6 +29,11 @@ Memory model (what ``raggedfsdp.fully_shard`` holds, per rank, in bytes):
 The total is the persistent part plus the largest phase. Activations and optimizer-step
 temporaries are not included (they depend on batch, sequence length, checkpointing, kernels).
 
+With a tp dim (``Mesh.tp > 1``) every group is planned as one TP rank holds it
+(:func:`~raggedfsdp.capacity.tp_plan.tp_local_model`: torchtitan's plan splits the weights,
+the rest is replicated), so every quantity above is per rank of the whole mesh; traffic is
+over the data-parallel dims only, since TP's activation collectives depend on the batch.
+
 Traffic per rank per step is bytes each rank sends (and receives) with ring algorithms: an
 all-gather or reduce-scatter of a ``W * S`` buffer moves ``(W - 1) * S`` elements per rank; the
 HSDP replicate all-reduce moves ``2 (R - 1) / R * S``. ZeRO-3 gathers every non-root group twice
@@ -58,6 +63,7 @@ from raggedfsdp.capacity.muon import MuonBalance, muon_balance
 from raggedfsdp.capacity.optimizer_state import counter_bytes, state_per_rank
 from raggedfsdp.capacity.policies import is_expert, shard_policy
 from raggedfsdp.capacity.settings import Settings
+from raggedfsdp.capacity.tp_plan import tp_block_notes, tp_local_model, tp_notes
 from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
 from raggedfsdp.sharding.planner import Layout, TensorSpec, plan_layout
 from raggedfsdp.sharding.units import expert_notes, resolve_units
@@ -66,6 +72,8 @@ __all__ = ["Estimate", "GroupPlan", "estimate", "per_rank"]
 
 #: Groups (repeats included) the phase model walks one by one.
 MAX_FSDP_GROUPS = 1_000_000
+#: What the traffic leaves out with a tp dim (it counts the data-parallel collectives only).
+TP_TRAFFIC_EXCLUDES = ["tensor-parallel activation collectives"]
 
 
 @dataclass
@@ -80,6 +88,7 @@ class GroupPlan:
     state: np.ndarray  # optimizer state bytes per rank
     empty_ranks: int  # ranks holding no element of the group
     gather_bytes: int = 0  # bytes per rank of the group's all-gather (FP8 payload or param dtype)
+    tp_notes: tuple[str, ...] = ()  # optimizer blocks the TP split cuts (``tp_block_notes``)
 
     @property
     def segment(self) -> int:
@@ -99,7 +108,7 @@ class GroupPlan:
             "fsdp2_cut_tensors": self.fsdp2_cut,
             "empty_ranks": self.empty_ranks,
             "plan_ms": 1e3 * lay.planning_time_s,
-            "notes": list(lay.notes),
+            "notes": [*lay.notes, *self.tp_notes],
         }
 
 
@@ -129,7 +138,12 @@ class Estimate:
                 "distinct_groups": len(self.plans),
                 "fsdp_groups": self.model.num_fsdp_groups,
             },
-            "mesh": {"replicate": mesh.replicate, "shard": mesh.shard, "world": mesh.world_size},
+            "mesh": {
+                "replicate": mesh.replicate,
+                "shard": mesh.shard,
+                "tp": mesh.tp,
+                "world": mesh.world_size,
+            },
             "unit": s.describe_units(),
             "optimizer": s.optimizer.name,
             "precision": {
@@ -144,6 +158,7 @@ class Estimate:
             "peak_phase": self.peak_phase,
             "padding": self.padding,
             "traffic_bytes": self.traffic,
+            "traffic_excludes": TP_TRAFFIC_EXCLUDES if mesh.tp > 1 else [],
             "muon": None if self.muon is None else self.muon.to_dict(),
             "all_gather": s.all_gather,
             "float8_all_gather_bytes": self.float8,
@@ -184,6 +199,7 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
     units = resolve_units(policy, [(name, shape, dtype) for name, shape in group.tensors], world)
     specs = [TensorSpec(name, shape, dtype, units[name]) for name, shape in group.tensors]
     layout = plan_layout(specs, world, settings.alignment_bytes)
+    tp = tp_block_notes(group.tensors, units, policy, world, settings.mesh.tp, dtype)
     held = per_rank(layout, [1.0] * len(specs))
     pb = settings.precision.bytes("param")
     fp8 = settings.all_gather != "param"
@@ -200,6 +216,7 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
             if fp8
             else layout.segment_size * pb
         ),
+        tp_notes=tp,
     )
 
 
@@ -218,23 +235,25 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
             f"--unit expert: model {model.name!r} has no expert tensors (names with "
             "'experts.'); use --unit-rows K or --unit matrix"
         )
-    plans, sequence = _plan_model(model, settings)
-    counters = counter_bytes(settings.optimizer, [t for g in model.groups for t in g.tensors])
+    mesh = settings.mesh
+    local = tp_local_model(model, mesh)
+    plans, sequence = _plan_model(local, settings)
+    counters = counter_bytes(settings.optimizer, [t for g in local.groups for t in g.tensors])
     memory, phase = _memory(plans, sequence, settings, counters)
     muon = None
     if settings.optimizer.name == "muon":
-        muon = muon_balance(sequence, settings.mesh.shard, settings.optimizer.ns_steps)
-    float8 = _float8(model, settings, plans, sequence)
+        muon = muon_balance(sequence, mesh.shard, settings.optimizer.ns_steps, mesh.tp)
+    float8 = _float8(local, settings, plans, sequence)
     return Estimate(
         model=model,
         settings=settings,
         plans=plans,
         memory=memory,
         peak_phase=phase,
-        padding=_padding(plans, model.numel),
+        padding=_padding(plans, local.numel),
         traffic=_traffic(sequence, settings),
         muon=muon,
-        notes=_notes(plans, settings),
+        notes=_notes(plans, settings) + tp_notes(model, mesh.tp),
         elapsed_s=time.perf_counter() - t0,
         float8=float8,
     )
@@ -425,6 +444,7 @@ def _notes(plans, settings: Settings) -> list[str]:
     for p in plans:
         notes += [f"{p.group.name}: {note}" for note in p.layout.notes]
         notes += [f"{p.group.name}: {note}" for note in expert_notes(p.layout.tensors)]
+        notes += [f"{p.group.name}: {note}" for note in p.tp_notes]
         if p.empty_ranks:
             notes.append(
                 f"{p.group.name}: {p.empty_ranks:,} of {p.layout.world_size:,} ranks hold none "
@@ -434,5 +454,12 @@ def _notes(plans, settings: Settings) -> list[str]:
         notes.append(
             f"units include {settings.optimizer.name}'s blocks (LCM with the unit policy), so "
             "its state math needs no communication"
+        )
+    mesh = settings.mesh
+    if settings.optimizer.name == "muon" and mesh.tp > 1:
+        notes.append(
+            f"muon: each matrix the TP split cuts is gathered whole on one owner from its pieces "
+            f"over dp_shard x tp ({mesh.shard:,} x {mesh.tp} ranks) and its update sent back; "
+            "matrices TP replicates are updated on every TP rank (owners and bytes above)"
         )
     return notes

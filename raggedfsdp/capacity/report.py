@@ -5,6 +5,7 @@ from __future__ import annotations
 from raggedfsdp.capacity.float8 import FORMATS
 from raggedfsdp.capacity.memory import Estimate
 from raggedfsdp.capacity.muon import MuonBalance
+from raggedfsdp.capacity.settings import Mesh
 
 __all__ = ["format_bytes", "render"]
 
@@ -56,11 +57,19 @@ def _settings(est: Estimate) -> list[str]:
     return [
         f"{m.name}: {_count(m.numel)} parameters in {m.num_fsdp_groups:,} FSDP groups "
         f"({len(est.plans)} distinct); {m.source}",
-        f"mesh {mesh.replicate} x {mesh.shard} (replicate x shard) = {mesh.world_size:,} ranks | "
+        f"mesh {_mesh(mesh)} = {mesh.world_size:,} ranks | "
         f"unit: {s.describe_units()} | {s.optimizer.describe()}",
         f"param {prec.param}, master {prec.master}, reduce {prec.reduce} | {zero} | "
         f"backend {s.backend}",
     ]
+
+
+def _mesh(mesh: Mesh) -> str:
+    """The mesh's sizes and dim names; the tp dim only when there is one, so a mesh without
+    one reads as it always has."""
+    if mesh.tp == 1:
+        return f"{mesh.replicate} x {mesh.shard} (replicate x shard)"
+    return f"{mesh.replicate} x {mesh.shard} x {mesh.tp} (replicate x shard x tp)"
 
 
 def _memory(est: Estimate, gpu_memory_gib: float | None) -> list[str]:
@@ -110,10 +119,16 @@ def _traffic(est: Estimate) -> list[str]:
         ["all-reduce (replicate dim)", t["all_reduce"], t["fsdp2_all_reduce"]],
     ]
     cells = [[label, format_bytes(ours), format_bytes(fsdp2)] for label, ours, fsdp2 in rows]
-    return [
+    lines = [
         "Traffic per rank per step (bytes sent; as many received)",
         *_table(["", "raggedfsdp", "FSDP2"], cells),
     ]
+    if est.settings.mesh.tp > 1:
+        lines.append(
+            "  (over the data-parallel dims, FSDP2 x TP alike; tensor-parallel activation "
+            "collectives are not included)"
+        )
+    return lines
 
 
 def _float8(est: Estimate) -> list[str]:
@@ -194,4 +209,5 @@ def _groups(est: Estimate) -> list[str]:
                 f"{d['plan_ms']:.1f}",
             ]
         )
-    return ["Groups (S = elements per rank)", *_table(header, rows)]
+    what = "TP-local tensors, " if est.settings.mesh.tp > 1 else ""
+    return [f"Groups ({what}S = elements per rank)", *_table(header, rows)]

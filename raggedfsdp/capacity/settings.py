@@ -24,13 +24,17 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "flo
 
 @dataclass(frozen=True)
 class Mesh:
-    """``replicate x shard`` ranks (HSDP); plain FSDP is ``replicate == 1``."""
+    """``replicate x shard x tp`` ranks, torchtitan's ``(dp_replicate, dp_shard, tp)`` order:
+    plain FSDP is ``replicate == tp == 1``, HSDP ``tp == 1``. ``fully_shard`` plans each TP
+    rank's local tensors over the ``shard`` ranks."""
 
     replicate: int
     shard: int
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        for dim, size in (("replicate", self.replicate), ("shard", self.shard)):
+        for dim in ("replicate", "shard", "tp"):
+            size = getattr(self, dim)
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise PlanError(f"mesh {dim} size {size!r}: must be a positive integer")
         if self.shard > MAX_SHARD_SIZE:
@@ -41,27 +45,36 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def text(self) -> str:
+        """The ``--mesh`` that gives this mesh (with its tp dim only when there is one)."""
+        dims = (
+            (self.replicate, self.shard, self.tp) if self.tp > 1 else (self.replicate, self.shard)
+        )
+        return "x".join(map(str, dims))
 
     @classmethod
     def parse(cls, text: str) -> Mesh:
-        """``"256"`` (FSDP) or ``"4x256"`` (HSDP: 4 replicas of 256-rank shard groups)."""
+        """``"256"`` (FSDP), ``"4x256"`` (HSDP: 4 replicas of 256-rank shard groups) or
+        ``"4x32x8"`` (HSDP x TP: each of those ranks a group of 8 tensor-parallel ones)."""
         parts = re.split(r"\s*[x×,*]\s*", text.strip().lower())
-        if len(parts) > 2:
+        if len(parts) > 3:
             raise PlanError(
-                f"--mesh {text!r}: {len(parts)} dimensions, expected SHARD or REPLICATExSHARD "
-                "(fully_shard takes a 1-D or 2-D mesh); fold the outer dimensions into "
-                "REPLICATE, e.g. 2x2x2 -> 4x2"
+                f"--mesh {text!r}: {len(parts)} dimensions, expected SHARD or REPLICATExSHARD[xTP] "
+                "(torchtitan's dp_replicate, dp_shard, tp); fold the outer dimensions into "
+                "REPLICATE, e.g. 2x2x2x2 -> 4x2x2"
             )
         if not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
             raise PlanError(
-                f"--mesh {text!r}: expected SHARD or REPLICATExSHARD with positive integers, "
-                "e.g. --mesh 4x256 (4 replicas of 256-rank shard groups)"
+                f"--mesh {text!r}: expected SHARD or REPLICATExSHARD[xTP] with positive integers, "
+                "e.g. --mesh 4x256 (4 replicas of 256-rank shard groups) or 4x32x8 (tp 8)"
             )
         sizes = [int(p) for p in parts]
         if any(s < 1 for s in sizes):
             raise PlanError(f"--mesh {text!r}: every dimension must be >= 1, got {sizes}")
-        return cls(*sizes) if len(sizes) == 2 else cls(1, sizes[0])
+        return cls(*sizes) if len(sizes) > 1 else cls(1, sizes[0])
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,13 @@ class Settings:
         if self.all_gather not in ALL_GATHER_KINDS:
             raise PlanError(
                 f"--all-gather {self.all_gather!r}: choose one of {list(ALL_GATHER_KINDS)}"
+            )
+        if self.all_gather != "param" and self.mesh.tp > 1:
+            raise PlanError(
+                f"--all-gather {self.all_gather} with tp {self.mesh.tp} (--mesh "
+                f"{self.mesh.text}): fully_shard refuses FP8 gathers of tensor-parallel "
+                "parameters (a tile of the global tensor is not on one rank); use --all-gather "
+                "param or a mesh without a tp dim"
             )
 
     def describe_units(self) -> str:

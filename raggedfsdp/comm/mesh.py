@@ -22,6 +22,7 @@ __all__ = [
     "ShardMesh",
     "group_rank",
     "group_size",
+    "product_group",
     "resolve_group",
     "resolve_mesh",
     "shard_subgroup",
@@ -179,3 +180,46 @@ def shard_subgroup(mesh: ShardMesh, size: int) -> ShardMesh:
     sub = ShardMesh.from_groups(subgroup)
     _SUBGROUPS[key] = (group, sub)
     return sub
+
+
+# (outer group, inner group) -> (both, kept alive so their ids are not reused; the product)
+_PRODUCTS: dict[tuple[int, int], tuple[ProcessGroup, ProcessGroup, ProcessGroup]] = {}
+
+
+def product_group(outer: ProcessGroup, inner: ProcessGroup) -> ProcessGroup:
+    """The group of every rank reachable through ``outer`` and then ``inner``: the ranks at
+    every (outer rank ``d``, inner rank ``t``) pair, ``d * inner_size + t`` in the result (the
+    row-major flattening of a 2-D mesh ``(outer, inner)``, e.g. ``(dp_shard, tp)``).
+
+    Muon's owners exchange whole tensor-parallel matrices over data parallel × TP in one
+    all-to-all; this is the group it runs on. The ranks are found with one all-gather over
+    ``outer`` (each member's ``inner`` ranks), and only the product's members create it
+    (``use_local_synchronization``), so other parts of a larger job (pipeline stages, other
+    replicas) make no call. Created once per (outer, inner) pair.
+    """
+    key = (id(outer), id(inner))
+    cached = _PRODUCTS.get(key)
+    if cached is not None and cached[0] is outer and cached[1] is inner:
+        return cached[2]
+
+    def ordered(group: ProcessGroup) -> list[int]:
+        ranks = dist.get_process_group_ranks(group)
+        return sorted(ranks, key=lambda r: dist.get_group_rank(group, r))
+
+    rows: list[list[int] | None] = [None] * dist.get_world_size(outer)
+    dist.all_gather_object(rows, ordered(inner), group=outer)
+    ranks = [r for row in rows for r in row]
+    if len(set(ranks)) != len(ranks) or len({len(row) for row in rows}) != 1:
+        raise ValueError(
+            f"inner: the groups {rows} of the outer group's ranks overlap or differ in size; "
+            "outer and inner must be two dims of one device mesh"
+        )
+    product = dist.new_group(
+        ranks,
+        backend=dist.get_backend(outer),
+        use_local_synchronization=True,
+        sort_ranks=False,  # position in the list is the rank in the product
+        group_desc="product_group",
+    )
+    _PRODUCTS[key] = (outer, inner, product)
+    return product

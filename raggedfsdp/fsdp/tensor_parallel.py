@@ -18,8 +18,6 @@ the parameter and the fix.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
@@ -30,6 +28,7 @@ from raggedfsdp.comm import ShardMesh
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.sharding import RaggedShard, ShardPolicy, resolve_units
 from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_of
+from raggedfsdp.sharding.tp_split import tp_block_note, tp_local_shape
 
 __all__ = [
     "check_tp_optimizer",
@@ -65,11 +64,10 @@ def tp_shard_of(fqn: str, param: torch.Tensor, mesh: ShardMesh) -> TPShard | Non
     if isinstance(placement, Shard):
         dim = placement.dim % len(shape)
         placement = Shard(dim)
-        if shape[dim] % tp_mesh.size():
-            raise ValueError(
-                f"{where}: its dim {dim} of size {shape[dim]} does not divide by the TP degree "
-                f"{tp_mesh.size()}; choose a TP degree that divides it (or pad the dim)"
-            )
+        try:
+            tp_local_shape(shape, dim, tp_mesh.size())
+        except ValueError as error:
+            raise ValueError(f"{where}: its {error}") from None
     _check_disjoint(where, tp_mesh, mesh)
     tp = TPShard(tp_mesh, placement, shape, tuple(param.stride()), tp_mesh.get_local_rank())
     if tuple(param.to_local().shape) != tp.local_shape:
@@ -141,29 +139,28 @@ def tp_block_notes(
         return ()
     tensors = [(mp.fqn, mp.tp.global_shape, mp.original.dtype) for mp in tp_params]
     global_units = resolve_units(policy, tensors, world, {mp.fqn: mp.original for mp in tp_params})
-    notes = []
-    for mp in tp_params:
-        unit, run = global_units[mp.fqn], math.prod(mp.tp.local_shape[mp.tp.dim :])
-        if unit > 1 and (unit != units[mp.fqn] or run % unit):
-            notes.append(
-                f"{mp.fqn!r}: the TP split {mp.tp.placement!r} over {mp.tp.size} ranks cuts the "
-                f"shard policy's {unit}-element blocks of the global {mp.tp.global_shape} tensor "
-                f"(each TP rank holds runs of {run}); units follow the TP-local "
-                f"{mp.tp.local_shape} tensor ({units[mp.fqn]} elements), so an optimizer "
-                "blocked in global coordinates would see other blocks than on one process"
-            )
-    return tuple(notes)
+    notes = (
+        tp_block_note(
+            mp.fqn, mp.tp.dim, mp.tp.size, mp.tp.global_shape, global_units[mp.fqn], units[mp.fqn]
+        )
+        for mp in tp_params
+    )
+    return tuple(note for note in notes if note is not None)
 
 
 def check_tp_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse raggedfsdp's blocked optimizers (AdamW8bit, Muon, Shampoo, SOAP) on TP parameters:
-    they would compute each TP block as if it were the whole matrix (Newton-Schulz, Shampoo
-    blocks, 8-bit blocks), a per-TP-shard update that differs from the single-process one.
-    Element-wise ones (``raggedfsdp.optim.AdamW``, every element-wise ``torch.optim``) are
-    exact on the local pieces. Raised by the step guard before the step touches anything."""
-    from raggedfsdp.optim import AdamW, ShardedOptimizer
+    """Refuse raggedfsdp's blocked optimizers that do not know TP yet (Shampoo, SOAP) on TP
+    parameters: they would compute each TP block as if it were the whole tensor (preconditioner
+    blocks), a per-TP-shard update unlike the single-process one. Element-wise ones
+    (``raggedfsdp.optim.AdamW``, every element-wise ``torch.optim``) are exact on the local
+    pieces; ``Muon`` gathers each whole matrix from dp x TP on its owner; ``AdamW8bit``
+    quantizes the global tensor's blocks (checked at construction). Raised by the step guard
+    before the step touches anything."""
+    from raggedfsdp.optim import AdamW, AdamW8bit, Muon, ShardedOptimizer
 
-    if not isinstance(optimizer, ShardedOptimizer) or isinstance(optimizer, AdamW):
+    if not isinstance(optimizer, ShardedOptimizer) or isinstance(
+        optimizer, (AdamW, AdamW8bit, Muon)
+    ):
         return
     for gi, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):

@@ -26,6 +26,7 @@ below ``min_8bit_size`` elements keep torch-style ``exp_avg`` / ``exp_avg_sq`` i
 from __future__ import annotations
 
 import itertools
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from raggedfsdp.optim.quant import (
 )
 from raggedfsdp.sharding import RaggedShard, ShardPolicy
 from raggedfsdp.sharding.blocks import QuantBlocks
+from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_split_of
 from raggedfsdp.sharding.units import adamw8bit_policy, is_quantized, quantized_unit
 
 __all__ = ["AdamW8bit", "adamw8bit_blocks_", "adamw8bit_update_", "adamw_fp32"]
@@ -305,23 +307,72 @@ class AdamW8bit(ShardedOptimizer):
             )
         shape = tuple(piece.param.shape)
         what = f"a {self.tile} tile slab" if self.tile and len(shape) >= 2 else "a block"
+        tp = tp_split_of(piece.spec)
+        if tp is not None:
+            self._check_tp_blocks(piece, tp)
+            shape = tp.local_shape
         check_unit_alignment(piece, quantized_unit(shape, self.block_size, self.tile), what)
+
+    def _check_tp_blocks(self, piece: Piece, tp: TPShard) -> None:
+        """A TP-split parameter is quantized in the blocks of its global tensor (as on one
+        process) by quantizing each TP block's local tensor: that needs every block whole in one
+        TP block, and the TP blocks' blocks to form a ``Shard`` of the absmax grid (so
+        checkpoints keep the single-process grid). Refused otherwise, naming the fix."""
+        shape, local, d = tp.global_shape, tp.local_shape, tp.dim
+        where = f"parameter {piece.name!r} is split by TP ({tp.placement!r} over {tp.size} ranks)"
+        if self.tile and len(shape) >= 2:
+            if d == len(shape) - 1:
+                if local[-1] % self.tile[1]:
+                    fix = f"a tile width that divides {local[-1]}"
+                    why = f"its {local[-1]} columns per TP rank cut tile={self.tile}"
+                    raise ValueError(f"{where}: {why}; use {fix}, or AdamW for it")
+                return
+            rows = math.prod(local[:-1])
+            if tp.contiguous_run and rows % self.tile[0] == 0:
+                return
+            why = (
+                f"its {rows} rows per TP rank cut tile={self.tile}"
+                if tp.contiguous_run
+                else "its TP blocks are not whole tile rows of the global tensor"
+            )
+            raise ValueError(
+                f"{where}: {why}; use a tile height that divides {rows} with TP on dim 0 or on "
+                "the last dim, or AdamW for it"
+            )
+        numel = math.prod(local)
+        if tp.contiguous_run and numel % self.block_size == 0:
+            return
+        why = (
+            f"its {numel} elements per TP rank are not whole {self.block_size}-element blocks"
+            if tp.contiguous_run
+            else f"{self.block_size}-element blocks of the global flat index cross its TP blocks"
+        )
+        raise ValueError(
+            f"{where}: {why}; quantize it in tiles (tile=(rows, cols), cols dividing "
+            f"{local[-1]}), choose a block_size that divides {numel} with TP on dim 0, or give "
+            "it to AdamW"
+        )
 
     # ----------------------------------------------------------------------------- state
     def _blocks_of(self, piece: Piece) -> _Blocks:
         """The piece's quantization blocks (see ``QuantBlocks``), computed once."""
         if piece in self._blocks:
             return self._blocks[piece]
-        blocks = QuantBlocks.of(piece.param.shape, self.block_size, self.tile)
-        spec = piece.spec
+        spec, tp = piece.spec, tp_split_of(piece.spec)
+        shape = piece.param.shape if tp is None else tp.local_shape  # TP: blocks of its block
+        blocks = QuantBlocks.of(shape, self.block_size, self.tile)
         start, stop = (0, blocks.numel) if spec is None else spec.local_range(piece.rank)
-        shard = None
+        shard, grid_shape = None, blocks.grid_shape
         if spec is not None:
             counts = [blocks.counts(a, b) for a, b in itertools.pairwise(spec.bounds)]
             shard = RaggedShard.from_counts(
                 blocks.grid_shape, blocks.count_unit, counts, f"{piece.name}.absmax"
             )
-        found = _Blocks(BlockGrid(*blocks.local_view(start, stop)), blocks.grid_shape, shard)
+        if tp is not None:  # the TP blocks' grids are a Shard of the global grid (checked)
+            grid_shape = QuantBlocks.of(tp.global_shape, self.block_size, self.tile).grid_shape
+            grid_dim = 1 if blocks.tiled and tp.dim == len(shape) - 1 else 0
+            shard = TPRaggedShard.of(shard, tp.derived(grid_shape, grid_dim))
+        found = _Blocks(BlockGrid(*blocks.local_view(start, stop)), grid_shape, shard)
         self._blocks[piece] = found
         return found
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from raggedfsdp.comm.mesh import MeshLike
+from raggedfsdp.comm.mesh import MeshLike, product_group
 from raggedfsdp.optim.adamw import adamw_update, check_betas
 from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
@@ -48,6 +48,7 @@ from raggedfsdp.optim.owner_compute import ExchangePlan
 from raggedfsdp.optim.pieces import scalar_dtype, unwrap
 from raggedfsdp.sharding import resolve_units
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
+from raggedfsdp.sharding.tp_shard import tp_split_of
 from raggedfsdp.sharding.units import (
     DEFAULT_MAX_EXTRA_PADDING,
     MuonShardPolicy,
@@ -372,7 +373,7 @@ class Muon(ShardedOptimizer):
         self._adamw_early, self._adamw_started = set(), set()
         loss = super().step(closure)
         stats = self._stats
-        loads = [sum(x) for x in zip(*stats.pop("ns_loads"), strict=True)] or [0.0]
+        loads = _combined_loads(stats.pop("ns_loads"))
         stats["ns_flops_max"] = max(loads)
         stats["ns_flops_mean"] = sum(loads) / len(loads)
         self.last_step_stats = stats
@@ -390,9 +391,11 @@ class Muon(ShardedOptimizer):
                 self._adamw_started.add(id(group))
                 adamw_update(_adamw_group(group), pieces, self.state, step)
             return
-        by_group: dict[int, list[Piece]] = {}
-        for pc in pieces:
-            by_group.setdefault(id(pc.pgroup), []).append(pc)
+        by_group: dict[tuple[int, int], list[Piece]] = {}
+        for pc in pieces:  # one exchange per data-parallel group (x TP group for TP matrices)
+            tp = tp_split_of(pc.spec)
+            key = (id(pc.pgroup), 0 if tp is None else id(tp.reduce_group))
+            by_group.setdefault(key, []).append(pc)
         for members in by_group.values():
             self._muon(group, members)
 
@@ -450,9 +453,13 @@ class Muon(ShardedOptimizer):
         (in batches of at most ``NS_BATCH_ELEMENTS`` for the device) or one chain per matrix (with
         ``batched_ns=False``, a side of at most ``BATCH_MIN_SIDE``, or float64 NS)."""
         by_shape: dict[tuple[int, int], list[Tensor]] = {}
+        write_back = []  # (job's flat buffer, its matrix copy) of TP column-split matrices
         for j, flat in jobs:
             mat = plan.matrices[j]
-            by_shape.setdefault(mat.shape, []).append(flat.view(mat.shape))
+            whole = mat.assemble(flat)
+            if whole.data_ptr() != flat.data_ptr():
+                write_back.append((mat, flat, whole))
+            by_shape.setdefault(mat.shape, []).append(whole)
             self._stats["ns_run"].append(mat.name)
         for shape, mats in by_shape.items():
             device = mats[0].device.type
@@ -470,6 +477,8 @@ class Muon(ShardedOptimizer):
                     for mat, out in zip(batch, newton_schulz(torch.stack(batch), *ns), strict=True):
                         mat.copy_(out)
                 self._stats["ns_calls"] += 1
+        for mat, flat, whole in write_back:
+            mat.scatter(whole, flat)
 
     def _step_adamw_groups(self) -> None:
         """Step the AdamW groups that have not stepped yet, as the runtime would (its gradient
@@ -498,6 +507,20 @@ class Muon(ShardedOptimizer):
         stats["ns_loads"].append(plan.loads)
         stats["matrices"] += len(plan.matrices)
         stats["matrices_local"] += plan.free
+
+
+def _combined_loads(plans: Sequence[Sequence[float]]) -> list[float]:
+    """NS FLOPs per rank over every plan of a step. Plans over data parallel x TP have
+    ``T`` times the ranks of those over one TP coordinate's dp ranks (rank ``d * T + t``);
+    the latter are the same on every TP coordinate, so dp rank ``d``'s load is each of
+    ``d * T .. d * T + T - 1``'s."""
+    world = max((len(loads) for loads in plans), default=1)
+    total = [0.0] * world
+    for loads in plans:
+        repeat = world // len(loads)
+        for r in range(world):
+            total[r] += loads[r // repeat]
+    return total
 
 
 def _stack_view(mats: Sequence[Tensor]) -> Tensor | None:
@@ -536,13 +559,35 @@ def _adamw_group(group: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class _Matrix:
     """One NS job: a matrix (or one expert) of a piece, and where this rank's part of it lies
-    in the piece's local flat view."""
+    in the piece's local flat view.
+
+    A tensor-parallel matrix arrives at its owner as its ``tp_parts`` TP blocks one after the
+    other (each block's data-parallel pieces in dp order); ``Shard(0)`` blocks (rows) are the
+    matrix's own flat order, column blocks (``RowwiseParallel``'s ``Shard(1)``) are put side by
+    side by ``assemble`` and cut apart again by ``scatter``."""
 
     piece: Piece
     name: str
     shape: tuple[int, int]
     lo: int  # this rank's part: [lo, hi) of the piece's local view
     hi: int
+    tp_parts: int = 1  # TP blocks the job's flat buffer holds
+    column_blocks: bool = False  # the blocks split columns (else rows, or there is one)
+
+    def _blocks(self, flat: Tensor) -> Tensor:
+        m, n = self.shape
+        return flat.view(self.tp_parts, m, n // self.tp_parts)
+
+    def assemble(self, flat: Tensor) -> Tensor:
+        """The m x n matrix of the job's flat buffer: a view, or for column blocks a copy."""
+        if not self.column_blocks:
+            return flat.view(self.shape)
+        return self._blocks(flat).permute(1, 0, 2).reshape(self.shape)
+
+    def scatter(self, whole: Tensor, flat: Tensor) -> None:
+        """``assemble`` backwards: the matrix into the job's flat buffer (column blocks)."""
+        m, n = self.shape
+        self._blocks(flat).copy_(whole.view(m, self.tp_parts, n // self.tp_parts).transpose(0, 1))
 
 
 @dataclass
@@ -559,9 +604,17 @@ class _GroupPlan:
 
 def _plan(pieces: Sequence[Piece], steps: int) -> _GroupPlan:
     """Every matrix of one process group's pieces, its owner (``assign_owners`` on NS cost)
-    and the exchange that takes it there and back; the same on every rank."""
+    and the exchange that takes it there and back; the same on every rank.
+
+    TP-split matrices are planned over data parallel x TP (``product_group``: rank
+    ``d * T + t`` for dp rank ``d`` and TP rank ``t``), so each whole matrix is assembled on
+    one owner from every rank holding a piece of it, in one exchange."""
     first = pieces[0]
     world = 1 if first.spec is None else first.spec.world_size
+    group, rank, tp = first.pgroup, first.rank, tp_split_of(first.spec)
+    if tp is not None:
+        group = tp.reduce_group if world == 1 else product_group(first.pgroup, tp.reduce_group)
+        rank, world = first.rank * tp.size + tp.rank, world * tp.size
     matrices, jobs = [], []
     for pc in pieces:
         for mat, job in _matrices(pc, steps):
@@ -571,27 +624,43 @@ def _plan(pieces: Sequence[Piece], steps: int) -> _GroupPlan:
     loads = [0.0] * world
     for job, owner in zip(jobs, owners, strict=True):
         loads[owner] += job.cost
-    exchange = ExchangePlan(jobs, owners, first.rank, world)
+    exchange = ExchangePlan(jobs, owners, rank, world)
     moved = any(j.sole_holder != o for j, o in zip(jobs, owners, strict=True))
     free = sum(j.sole_holder == o for j, o in zip(jobs, owners, strict=True))
-    return _GroupPlan(matrices, exchange, first.pgroup, moved, loads, free)
+    return _GroupPlan(matrices, exchange, group, moved, loads, free)
 
 
 def _matrices(pc: Piece, steps: int) -> Iterator[tuple[_Matrix, Job]]:
     """The matrices of one piece's parameter (one per expert of a stacked tensor), each with
-    its job: which ranks hold how much of it, and its NS cost."""
-    shape = tuple(pc.param.shape)
+    its job: which ranks hold how much of it, and its NS cost.
+
+    Under TP the piece is cut from this TP rank's block: a matrix is held by every TP rank
+    (rows or columns split), or by one when TP splits the experts of a stacked tensor; each
+    holder's dp pieces of its block become the job's pieces, TP rank after TP rank."""
+    shape, tp = tuple(pc.param.shape), tp_split_of(pc.spec)
+    local = shape if tp is None else tp.local_shape
     count, (m, n) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
+    size = math.prod(local[-2:])
+    tp_size, tp_rank = (1, 0) if tp is None else (tp.size, tp.rank)
+    experts_split = tp is not None and len(shape) == 3 and tp.dim == 0
     bounds = None if pc.spec is None else pc.spec.bounds
     base = 0 if bounds is None else bounds[pc.rank]
     cost = float(ns_flops(m, n, steps))
     for e in range(count):
-        start, stop = e * m * n, (e + 1) * m * n
-        if bounds is None:
-            job = Job(((0, stop - start),), cost)
-        else:
-            job = Job.spanning(start, stop, bounds, cost)
-        lo = max(start - base, 0)
-        hi = max(min(stop - base, pc.numel), lo)
+        # (TP rank, matrix in its block) of each TP block holding part of matrix e
+        holders = [divmod(e, local[0])] if experts_split else [(t, e) for t in range(tp_size)]
+        pieces, lo, hi = [], 0, 0
+        for t, block_e in holders:
+            start, stop = block_e * size, (block_e + 1) * size
+            if bounds is None:
+                held = ((0, size),)
+            else:
+                held = Job.spanning(start, stop, bounds, cost).pieces
+            pieces += [(d * tp_size + t, k) for d, k in held]
+            if t == tp_rank:
+                lo = max(start - base, 0)
+                hi = max(min(stop - base, pc.numel), lo)
         name = pc.name if count == 1 else f"{pc.name}[{e}]"
-        yield _Matrix(pc, name, (m, n), lo, hi), job
+        columns = len(holders) > 1 and tp.dim == len(shape) - 1
+        matrix = _Matrix(pc, name, (m, n), lo, hi, len(holders), columns)
+        yield matrix, Job(tuple(pieces), cost)

@@ -20,17 +20,19 @@ imported by the torch-side modules only (``ragged_tensor``, ``fully_shard``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard
+from raggedfsdp.sharding.tp_split import tp_local_shape
 
-__all__ = ["TPRaggedShard", "TPShard", "global_shape_of", "tp_of"]
+__all__ = ["TPRaggedShard", "TPShard", "global_shape_of", "tp_of", "tp_split_of"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,7 @@ class TPShard:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.global_shape)
-        if self.dim is not None:
-            shape[self.dim] //= self.size
-        return tuple(shape)
+        return tp_local_shape(self.global_shape, self.dim, self.size)
 
     @property
     def offset(self) -> int:
@@ -84,6 +83,22 @@ class TPShard:
         combined: the TP group when the ranks hold different blocks, ``None`` when they hold
         the same (replicated) values, which must be counted once."""
         return None if self.dim is None else self.mesh.get_group(0)
+
+    @property
+    def contiguous_run(self) -> bool:
+        """Whether this rank's block is one contiguous range of the global flat tensor: the
+        split is on the first dim of more than one element (or there is none)."""
+        return self.dim is None or math.prod(self.global_shape[: self.dim]) == 1
+
+    def derived(self, global_shape: tuple[int, ...], dim: int | None) -> TPShard:
+        """The record of a tensor derived from this one block by block (an optimizer's state
+        grid): ``global_shape``, split on ``dim`` over the same TP ranks (``None``:
+        replicated)."""
+        placement = Replicate() if dim is None else Shard(dim)
+        stride = [1] * len(global_shape)
+        for i in range(len(global_shape) - 2, -1, -1):
+            stride[i] = stride[i + 1] * global_shape[i + 1]
+        return TPShard(self.mesh, placement, tuple(global_shape), tuple(stride), self.rank)
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:
         """This TP rank's block of a tensor of the global shape (a view)."""
@@ -152,3 +167,10 @@ def global_shape_of(spec: RaggedShard) -> tuple[int, ...]:
     """The shape a ``RaggedTensor`` split by ``spec`` reports: the global one under TP."""
     tp = tp_of(spec)
     return spec.shape if tp is None else tp.global_shape
+
+
+def tp_split_of(spec: Any) -> TPShard | None:
+    """The TP record of a spec whose tensor TP splits; ``None`` for a tensor that is not TP or
+    is replicated over TP (each TP rank holds all of it, so its math is the plain one)."""
+    tp = tp_of(spec)
+    return tp if tp is not None and tp.dim is not None else None

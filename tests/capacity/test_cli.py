@@ -26,7 +26,7 @@ SCHEMA = {
         "distinct_groups": int,
         "fsdp_groups": int,
     },
-    "mesh": {"replicate": int, "shard": int, "world": int},
+    "mesh": {"replicate": int, "shard": int, "tp": int, "world": int},
     "unit": str,
     "optimizer": str,
     "precision": {"param": str, "master": str, "reduce": str},
@@ -69,6 +69,7 @@ SCHEMA = {
             "fsdp2_all_reduce",
         )
     },
+    "traffic_excludes": list,
     "muon": (dict, type(None)),
     "all_gather": str,
     "float8_all_gather_bytes": (dict, type(None)),
@@ -322,7 +323,7 @@ def test_both_forms_plan_alike() -> None:
                 group.pop("plan_ms")
             results.append({k: v for k, v in out.items() if k not in timings})
         assert results[0] == results[1], argv
-    assert results[0]["mesh"] == {"replicate": 8, "shard": 12500, "world": 100_000}
+    assert results[0]["mesh"] == {"replicate": 8, "shard": 12500, "tp": 1, "world": 100_000}
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))

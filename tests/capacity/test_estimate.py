@@ -187,7 +187,7 @@ def test_unit_policies() -> None:
     [
         ("4x", "expected SHARD or REPLICATExSHARD"),
         ("ax2", "expected SHARD"),
-        ("2x3x4", "expected SHARD"),
+        ("2x3x4x5", "expected SHARD"),
         ("0x8", "every dimension must be >= 1"),
         ("-2", "every dimension must be >= 1"),
         ("20000000", "above the planner's limit"),

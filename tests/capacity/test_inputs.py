@@ -238,7 +238,7 @@ def _cli_error(capsys, argv: list[str]) -> str:
     [
         (["-w", "0"], "argument -w/--world-size: 0 must be an integer >= 1"),
         (["--mesh", "3x"], "--mesh '3x': expected SHARD or REPLICATExSHARD"),
-        (["--mesh", "2x2x2"], "fold the outer dimensions into REPLICATE"),
+        (["--mesh", "2x2x2x2"], "fold the outer dimensions into REPLICATE"),
         (["-w", "8", "--gpu-memory", "-1"], "argument --gpu-memory: '-1': give a finite number"),
         (["-w", "8", "--gpu-memory", "inf"], "argument --gpu-memory: 'inf': give a finite"),
         (["-w", "8", "--param-dtype", "bf61"], "--param-dtype 'bf61': unknown; use one of"),

@@ -12,17 +12,25 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 import raggedfsdp
-from raggedfsdp.optim import AdamW, Muon
+from raggedfsdp.optim import AdamW
 from raggedfsdp.sharding import RaggedTensor
 from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-from tests.support.tp_models import Llama, llama_batch, llama_loss, make_llama, parallelize_llama
+from tests.support.tp_models import (
+    Llama,
+    llama_batch,
+    llama_loss,
+    make_llama,
+    parallelize_llama,
+    tp_meshes,
+    wrapped_llama,
+)
 
 ROWS = 8  # global batch rows: divisible by every data-parallel size tested
 STEPS = 10
@@ -30,25 +38,8 @@ LR = 3e-3
 MESHES = [(2, 2), (1, 4), (4, 1), (2, 1, 2)]
 
 
-def _meshes(dims: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, int, int]:
-    """(TP mesh, data-parallel mesh for fully_shard, this rank's dp index, dp size)."""
-    if len(dims) == 2:
-        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp_shard", "tp"))
-        dp = mesh["dp_shard"]
-        return mesh["tp"], dp, dp.get_local_rank(), dims[0]
-    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    dp = mesh["dp_replicate", "dp_shard"]
-    index = dp.get_local_rank(0) * dims[1] + dp.get_local_rank(1)
-    return mesh["tp"], dp, index, dims[0] * dims[1]
-
-
 def _wrapped(dims: tuple[int, ...], wrap=raggedfsdp.fully_shard, **kwargs):
-    tp_mesh, dp_mesh, index, size = _meshes(dims)
-    model = parallelize_llama(make_llama(), tp_mesh)
-    for block in model.layers:
-        wrap(block, mesh=dp_mesh, **kwargs)
-    wrap(model, mesh=dp_mesh, **kwargs)
-    return model, index, size
+    return wrapped_llama(dims, wrap, **kwargs)
 
 
 def _rows(x: torch.Tensor, index: int, size: int) -> torch.Tensor:
@@ -133,7 +124,7 @@ def test_matches_fsdp2_times_tp(dist_pool, bf16):
 
 def _meta_init(dims: tuple[int, ...]) -> dict[str, torch.Tensor]:
     """Built on the meta device, parallelized, wrapped, then materialized and initialised."""
-    tp_mesh, dp_mesh, _, _ = _meshes(dims)
+    tp_mesh, dp_mesh, _, _ = tp_meshes(dims)
     with torch.device("meta"):
         model = parallelize_llama(Llama(), tp_mesh)
     for block in model.layers:
@@ -367,15 +358,16 @@ def test_bad_input_is_refused_before_anything_changes(dist_pool):
 
 
 def _blocked_optimizers() -> dict[str, str]:
-    """Each blocked optimizer on TP parameters is refused at its first step, before anything
-    changes."""
-    from raggedfsdp.optim import SOAP, AdamW8bit, Shampoo
+    """Each blocked optimizer that does not know TP yet is refused at its first step on TP
+    parameters, before anything changes (Muon and AdamW8bit step them: see
+    test_tensor_parallel_optimizers.py)."""
+    from raggedfsdp.optim import SOAP, Shampoo
 
     model, _, _ = _wrapped((2, 2))
     before = {n: p.full_tensor() for n, p in model.named_parameters()}
     matrices = [(n, p) for n, p in model.named_parameters() if "layers" in n and p.dim() == 2]
     messages = {}
-    for cls in (Muon, AdamW8bit, Shampoo, SOAP):
+    for cls in (Shampoo, SOAP):
         opt = cls(matrices, lr=LR)
         for _, p in matrices:
             p.grad = torch.ones_like(p)
@@ -391,7 +383,7 @@ def _blocked_optimizers() -> dict[str, str]:
 
 def test_blocked_optimizers_refuse_tp_parameters(dist_pool):
     for messages in dist_pool(4).run(_blocked_optimizers):
-        assert set(messages) == {"Muon", "AdamW8bit", "Shampoo", "SOAP"}
+        assert set(messages) == {"Shampoo", "SOAP"}
         for message in messages.values():
             assert "'layers.0.attention.wq.weight'" in message and "tensor-parallel" in message
             assert "raggedfsdp.optim.AdamW" in message

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -135,3 +135,28 @@ def llama_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 def llama_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(inputs)
     return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def tp_meshes(dims: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, int, int]:
+    """(TP mesh, data-parallel mesh for fully_shard, this rank's dp index, dp size) of a 2-D
+    ``(dp_shard, tp)`` or 3-D ``(dp_replicate, dp_shard, tp)`` CPU mesh of shape ``dims``."""
+    if len(dims) == 2:
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp_shard", "tp"))
+        dp = mesh["dp_shard"]
+        return mesh["tp"], dp, dp.get_local_rank(), dims[0]
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp = mesh["dp_replicate", "dp_shard"]
+    index = dp.get_local_rank(0) * dims[1] + dp.get_local_rank(1)
+    return mesh["tp"], dp, index, dims[0] * dims[1]
+
+
+def wrapped_llama(dims: tuple[int, ...], wrap, **kwargs) -> tuple[Llama, int, int]:
+    """``make_llama`` with torchtitan's TP plan, each block and the root wrapped by ``wrap``
+    (``raggedfsdp.fully_shard`` or FSDP2's) over the data-parallel mesh; (model, dp index, dp
+    size)."""
+    tp_mesh, dp_mesh, index, size = tp_meshes(dims)
+    model = parallelize_llama(make_llama(), tp_mesh)
+    for block in model.layers:
+        wrap(block, mesh=dp_mesh, **kwargs)
+    wrap(model, mesh=dp_mesh, **kwargs)
+    return model, index, size
