@@ -149,18 +149,16 @@ def tp_block_notes(
 
 
 def check_tp_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """Refuse raggedfsdp's blocked optimizers that do not know TP yet (Shampoo, SOAP) on TP
-    parameters: they would compute each TP block as if it were the whole tensor (preconditioner
-    blocks), a per-TP-shard update unlike the single-process one. Element-wise ones
-    (``raggedfsdp.optim.AdamW``, every element-wise ``torch.optim``) are exact on the local
-    pieces; ``Muon`` gathers each whole matrix from dp x TP on its owner; ``AdamW8bit``
-    quantizes the global tensor's blocks (checked at construction). Raised by the step guard
-    before the step touches anything."""
-    from raggedfsdp.optim import AdamW, AdamW8bit, Muon, ShardedOptimizer
+    """Refuse a raggedfsdp optimizer whose math does not know TP pieces
+    (``handles_tensor_parallel``: a subclass written for data parallelism alone) on TP
+    parameters: it would compute each TP block as if it were the whole tensor, unlike one
+    process. raggedfsdp's own know them (``Muon`` gathers each matrix over dp x TP,
+    ``AdamW8bit``, ``Shampoo`` and ``SOAP`` block the global tensor, refusing at construction
+    a split that cuts their blocks); torch's element-wise optimizers are exact on the pieces.
+    Raised by the step guard before the step touches anything."""
+    from raggedfsdp.optim import ShardedOptimizer
 
-    if not isinstance(optimizer, ShardedOptimizer) or isinstance(
-        optimizer, (AdamW, AdamW8bit, Muon)
-    ):
+    if not isinstance(optimizer, ShardedOptimizer) or optimizer.handles_tensor_parallel:
         return
     for gi, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
@@ -172,8 +170,9 @@ def check_tp_optimizer(optimizer: torch.optim.Optimizer) -> None:
             kind = type(optimizer).__name__
             raise NotImplementedError(
                 f"{kind}.step(): parameter {label} ({p.ragged_shard.name!r} of its fully_shard "
-                f"group) is tensor-parallel ({tp.placement!r} over {tp.size} ranks); {kind} "
-                "would update each TP block as a whole matrix, unlike one process. Not "
-                "supported yet: give TP parameters to raggedfsdp.optim.AdamW (or "
-                "torch.optim.AdamW) in a second optimizer, or run without tensor parallelism"
+                f"group) is tensor-parallel ({tp.placement!r} over {tp.size} ranks), and "
+                f"{kind} does not set handles_tensor_parallel: it would update each TP block "
+                "as a whole tensor, unlike one process. Give TP parameters to a raggedfsdp "
+                "optimizer (AdamW, Muon, ...) or set handles_tensor_parallel once its math "
+                "handles TP pieces"
             )

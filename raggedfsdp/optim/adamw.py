@@ -149,6 +149,8 @@ class AdamW(ShardedOptimizer):
             for the default group).
     """
 
+    handles_tensor_parallel = True
+
     _state_keys_depend_on = ("amsgrad",)
 
     def __init__(

@@ -232,6 +232,8 @@ class AdamW8bit(ShardedOptimizer):
         mesh: ranks for the drop-in mode (see ``raggedfsdp.optim.AdamW``).
     """
 
+    handles_tensor_parallel = True
+
     _state_keys_depend_on = ("amsgrad",)
 
     def __init__(

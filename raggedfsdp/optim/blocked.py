@@ -21,9 +21,10 @@ from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec, check_unit_alignment
 from raggedfsdp.optim.pieces import unwrap
-from raggedfsdp.optim.slabs import SlabRunner
+from raggedfsdp.optim.slabs import SlabRunner, Slabs
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.sharding.blocks import ShampooBlocks
+from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_split_of
 from raggedfsdp.sharding.units import shampoo_blocked, shampoo_policy
 
 __all__ = ["BlockedOptimizer"]
@@ -49,6 +50,8 @@ class BlockedOptimizer(ShardedOptimizer):
     Subclasses declare their per-slab state with ``_slab_shapes`` and read it with
     ``_slab_state``; they run their per-block math through ``self._runner``.
     """
+
+    handles_tensor_parallel = True
 
     def __init__(
         self,
@@ -106,15 +109,52 @@ class BlockedOptimizer(ShardedOptimizer):
     def _policy(self) -> ShardPolicy:
         return self.shard_policy(self.max_preconditioner_dim, self.merge_dims, self.precondition_1d)
 
-    def _preconditioned(self, piece: Piece) -> bool:
-        shape = tuple(piece.param.shape)
+    def _blocks_of_shape(self, shape: tuple[int, ...]) -> Slabs | None:
+        """The blocks of a tensor of ``shape``, or None where it is not preconditioned."""
         dim = self.max_preconditioner_dim
-        return shampoo_blocked(shape, dim, self.merge_dims, self.precondition_1d)
-
-    def _blocks(self, piece: Piece) -> ShampooBlocks:
-        shape = tuple(piece.param.shape)
-        dim = self.max_preconditioner_dim
+        if not shampoo_blocked(shape, dim, self.merge_dims, self.precondition_1d):
+            return None
         return ShampooBlocks.of(shape, dim, self.merge_dims, self.precondition_1d)
+
+    def _preconditioned(self, piece: Piece) -> bool:
+        """Decided on the global shape, as on one process."""
+        return self._blocks_of_shape(tuple(piece.param.shape)) is not None
+
+    def _blocks(self, piece: Piece) -> Slabs:
+        """The blocks the math runs on: the parameter's, or for a TP-split one its TP block's
+        (``_check_tp_blocks`` made sure those are the global tensor's blocks)."""
+        tp = tp_split_of(piece.spec)
+        blocks = self._blocks_of_shape(_math_shape(piece, tp))
+        if blocks is None:
+            raise ValueError(f"parameter {piece.name!r} is not preconditioned with blocks")
+        return blocks
+
+    def _check_tp_blocks(self, piece: Piece, tp: TPShard) -> None:
+        """A TP-split parameter is preconditioned in the blocks of its global tensor (as on
+        one process) by blocking each TP block's tensor: that needs the TP split to run along
+        of the blocked view's first two dims, through block boundaries, and (on the first)
+        to hold a contiguous run of its rows. Refused otherwise, naming the fix."""
+        name = type(self).__name__
+        where = f"parameter {piece.name!r} is split by TP ({tp.placement!r} over {tp.size} ranks)"
+        if self.merge_dims:
+            raise ValueError(
+                f"{where}: {name}(merge_dims=True) would merge dims across the TP split; use "
+                "merge_dims=False, or AdamW for it"
+            )
+        whole, local = self._blocks_of_shape(tp.global_shape), self._blocks_of_shape(tp.local_shape)
+        dims = [] if local is None else _split_dims(whole, local, tp.size)
+        # the view's rows (a contiguous run of them), or its second dim, whose blocks and
+        # columns are outermost in the state's flat order (so the TP blocks' state is a Shard)
+        i = dims[0] if len(dims) == 1 else -1
+        if i in (0, 1) and (i or tp.contiguous_run) and local.dims[i] % local.sides[i] == 0:
+            return
+        sides = None if whole is None else whole.sides
+        raise ValueError(
+            f"{where}: its TP block {tp.local_shape} does not hold whole blocks {sides} of the "
+            f"global {tp.global_shape} tensor (max_preconditioner_dim="
+            f"{self.max_preconditioner_dim}); choose a max_preconditioner_dim that divides the "
+            "TP block along the split dim, split on the first or last dim, or use AdamW for it"
+        )
 
     def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
         """Floating point, the optimizer's block size in every group, contiguous in single
@@ -138,6 +178,9 @@ class BlockedOptimizer(ShardedOptimizer):
                 f"parameter {piece.name!r} is not contiguous; {name} views it as a matrix "
                 "(p.data = p.data.contiguous())"
             )
+        tp = tp_split_of(piece.spec)
+        if tp is not None and self._preconditioned(piece):
+            self._check_tp_blocks(piece, tp)
         if self.merge_dims and self._preconditioned(piece):
             unit = self._policy()(piece.name, piece.param)
             check_unit_alignment(piece, unit, f"{name}'s merged blocks (merge_dims=True)")
@@ -157,11 +200,21 @@ class BlockedOptimizer(ShardedOptimizer):
         """``StateSpec`` s of the per-slab state: this rank keeps the slabs it owns."""
         geo = self._runner.geometry(piece)
         dtype = self._factor_dtype(piece)
+        tp = tp_split_of(piece.spec)
+        shapes = self._slab_shapes(geo.blocks, group)
+        whole = shapes
+        if tp is not None:  # the TP blocks' state is a Shard of the global tensor's
+            whole = self._slab_shapes(self._blocks_of_shape(tp.global_shape), group)
         specs = {}
-        for key, shape in self._slab_shapes(geo.blocks, group).items():
+        for key, shape in shapes.items():
             per_slab = math.prod(shape[1:])
             shard = geo.slab_shard(piece, key, shape, per_slab)
-            specs[key] = StateSpec(geo.num_owned * per_slab, dtype, shape, shard)
+            if tp is not None:
+                (dim,) = [
+                    i for i, (a, b) in enumerate(zip(whole[key], shape, strict=True)) if a != b
+                ]
+                shard = TPRaggedShard.of(shard, tp.derived(whole[key], dim))
+            specs[key] = StateSpec(geo.num_owned * per_slab, dtype, whole[key], shard)
         return specs
 
     def _slab_state(self, piece: Piece) -> dict[str, Tensor]:
@@ -176,3 +229,17 @@ class BlockedOptimizer(ShardedOptimizer):
 
     def _new_step(self, group: dict[str, Any], device: torch.device) -> Tensor:
         return torch.tensor(0.0, dtype=torch.float32)
+
+
+def _math_shape(piece: Piece, tp: TPShard | None) -> tuple[int, ...]:
+    """The shape a piece's blocks are cut from: its TP block's under a TP split."""
+    return tuple(piece.param.shape) if tp is None else tp.local_shape
+
+
+def _split_dims(whole: Slabs | None, local: Slabs, degree: int) -> list[int]:
+    """The dims of the blocked view the TP split runs along (``degree`` times smaller in the
+    TP block), or ``[-1]`` when the two views differ otherwise (other sides or dims)."""
+    if whole is None or whole.sides != local.sides or len(whole.dims) != len(local.dims):
+        return [-1]
+    dims = [i for i, (a, b) in enumerate(zip(whole.dims, local.dims, strict=True)) if a != b]
+    return dims if all(whole.dims[i] == degree * local.dims[i] for i in dims) else [-1]

@@ -17,6 +17,8 @@ runs. This file is everything the two sides agree on.
   :class:`StateSpec`, in state-dict order.
 * ``_new_step(group, device)``: a zero step counter of the dtype and device the math expects.
 * ``_update(group, pieces, step)``: the math of one step.
+* ``handles_tensor_parallel``: True once the math is right for pieces of TP-split parameters
+  (their spec's ``TPShard`` says which TP block of the global tensor the piece is cut from).
 
 **What the runtime guarantees** in return:
 
@@ -161,6 +163,11 @@ class OptimizerHooks(ABC):
 
     #: Group hyper-parameters that decide which state tensors exist; a checkpoint must agree.
     _state_keys_depend_on: tuple[str, ...] = ()
+    #: Whether the math knows tensor-parallel pieces (``tp_split_of(piece.spec)``: a piece cut
+    #: from one TP block of the global tensor). ``fully_shard`` refuses TP parameters at the
+    #: first ``step()`` of an optimizer that does not, which would treat a TP block as the
+    #: whole tensor; element-wise math needs nothing to set it.
+    handles_tensor_parallel: bool = False
 
     @classmethod
     @abstractmethod

@@ -260,6 +260,8 @@ class Muon(ShardedOptimizer):
     that matrix's update (and momentum) into NaN; other matrices are unaffected.
     """
 
+    handles_tensor_parallel = True
+
     _state_keys_depend_on = ("use_muon",)
 
     def __init__(

@@ -37,7 +37,14 @@ __all__ = ["SlabGeometry", "SlabRunner", "SlabTask", "SlabWork", "Slabs"]
 
 class Slabs(Protocol):
     """What the runner reads of a tensor's blocks: its ``rows × cols`` view cut into slabs of
-    ``slab_rows`` whole rows (``ShampooBlocks``, ``SoapBlocks``)."""
+    ``slab_rows`` whole rows (``ShampooBlocks``, ``SoapBlocks``), and (for TP splits) the
+    blocked view's ``dims`` with the block ``sides`` along each."""
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
+
+    @property
+    def sides(self) -> tuple[int, ...]: ...
 
     @property
     def rows(self) -> int: ...

@@ -67,6 +67,7 @@ from raggedfsdp.optim.soap_blocks import (
     soap_policy,
 )
 from raggedfsdp.sharding import ShardPolicy
+from raggedfsdp.sharding.tp_shard import tp_split_of
 from raggedfsdp.sharding.units import check_preconditioner_dim
 
 __all__ = ["SOAP"]
@@ -396,9 +397,9 @@ class SOAP(BlockedOptimizer):
             normalize_grads=self.normalize_grads,
         )
 
-    def _soap_blocks(self, piece: Piece) -> SoapBlocks | None:
+    def _blocks_of_shape(self, shape: tuple[int, ...]) -> SoapBlocks | None:
         return SoapBlocks.of(
-            tuple(piece.param.shape),
+            shape,
             self.max_preconditioner_dim,
             self.merge_dims,
             self.precondition_1d,
@@ -406,18 +407,17 @@ class SOAP(BlockedOptimizer):
             self.tensor_factors,
         )
 
-    def _preconditioned(self, piece: Piece) -> bool:
-        return self._soap_blocks(piece) is not None
-
-    def _blocks(self, piece: Piece) -> SoapBlocks:
-        blocks = self._soap_blocks(piece)
-        if blocks is None:
-            raise ValueError(f"parameter {piece.name!r} is not preconditioned with blocks")
-        return blocks
-
     def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
         """``BlockedOptimizer``'s checks; with ``normalize_grads``, tensors that are not
-        preconditioned whole on one rank (their ``Σ N²`` is one rank's, whatever the world)."""
+        preconditioned whole on one rank (their ``Σ N²`` is one rank's, whatever the world),
+        and no TP split (``rms(N)`` of a TP-split tensor would need its TP blocks' sums)."""
+        if self.normalize_grads and tp_split_of(piece.spec) is not None:
+            tp = tp_split_of(piece.spec)
+            raise ValueError(
+                f"parameter {piece.name!r} is split by TP ({tp.placement!r} over {tp.size} "
+                "ranks): SOAP(normalize_grads=True) does not sum rms(N) over TP yet; use "
+                "normalize_grads=False for TP parameters"
+            )
         super()._check_piece(piece, group)
         if self.normalize_grads and not self._preconditioned(piece):
             why = "the whole tensor that SOAP(normalize_grads=True) sums (it is not preconditioned)"

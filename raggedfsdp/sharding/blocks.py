@@ -110,6 +110,16 @@ class ShampooBlocks:
         return cls(rows, cols, min(max_dim, rows), min(max_dim, cols), order)
 
     @property
+    def dims(self) -> tuple[int, int]:
+        """The blocked view: ``(rows, cols)``."""
+        return (self.rows, self.cols)
+
+    @property
+    def sides(self) -> tuple[int, int]:
+        """The block sides along ``dims``."""
+        return (self.slab_rows, self.block_cols)
+
+    @property
     def factors(self) -> tuple[str, ...]:
         """The factor sides this geometry keeps: ``("L", "R")``, or ``("L",)`` for vectors."""
         return ("L", "R") if self.order == 2 else ("L",)

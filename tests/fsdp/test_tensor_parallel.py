@@ -357,38 +357,6 @@ def test_bad_input_is_refused_before_anything_changes(dist_pool):
                 assert part in messages[case], (case, messages[case])
 
 
-def _blocked_optimizers() -> dict[str, str]:
-    """Each blocked optimizer that does not know TP yet is refused at its first step on TP
-    parameters, before anything changes (Muon and AdamW8bit step them: see
-    test_tensor_parallel_optimizers.py)."""
-    from raggedfsdp.optim import SOAP, Shampoo
-
-    model, _, _ = _wrapped((2, 2))
-    before = {n: p.full_tensor() for n, p in model.named_parameters()}
-    matrices = [(n, p) for n, p in model.named_parameters() if "layers" in n and p.dim() == 2]
-    messages = {}
-    for cls in (Shampoo, SOAP):
-        opt = cls(matrices, lr=LR)
-        for _, p in matrices:
-            p.grad = torch.ones_like(p)
-        try:
-            opt.step()
-        except NotImplementedError as error:
-            messages[cls.__name__] = str(error)
-        else:
-            raise AssertionError(f"{cls.__name__} stepped TP parameters")
-        assert all(torch.equal(p.full_tensor(), before[n]) for n, p in model.named_parameters())
-    return messages
-
-
-def test_blocked_optimizers_refuse_tp_parameters(dist_pool):
-    for messages in dist_pool(4).run(_blocked_optimizers):
-        assert set(messages) == {"Shampoo", "SOAP"}
-        for message in messages.values():
-            assert "'layers.0.attention.wq.weight'" in message and "tensor-parallel" in message
-            assert "raggedfsdp.optim.AdamW" in message
-
-
 def _notes() -> tuple[str, ...]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
     block = parallelize_llama(make_llama(), mesh["tp"]).layers[0]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import raggedfsdp
-from raggedfsdp.optim import AdamW8bit, Muon, split_muon_params
+from raggedfsdp.optim import SOAP, AdamW8bit, Muon, Shampoo, ShardedOptimizer, split_muon_params
 from raggedfsdp.optim.muon import ns_flops
 from tests.support.tp_models import llama_batch, llama_loss, make_llama, tp_meshes, wrapped_llama
 
@@ -319,3 +319,114 @@ def test_muon_on_tp_split_and_replicated_matrices(dist_pool):
         assert most == max(mine) and mean * 4 == pytest.approx(sum(mine))
         # every TP coordinate's dp group works on its copy of the replicated matrix
         assert sum(mine) == ns_flops(8, 12, 5) + dims[1] * ns_flops(12, 6, 5) != total
+
+
+# ----------------------------------------------------------------------------- Shampoo, SOAP
+BLOCKED = {"Shampoo": Shampoo, "SOAP": SOAP}
+BLOCK = 4  # divides every TP block of the tiny Llama at tp 2 and 4
+
+
+def _blocked_options(name: str) -> dict:
+    options = {"lr": LR, "max_preconditioner_dim": BLOCK}
+    return options | ({"precondition_frequency": 1} if name == "Shampoo" else {})
+
+
+def _blocked_state(opt, named) -> dict:
+    return {
+        f"{n}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value
+        for n, p in named
+        for key, value in opt.state[p].items()
+        if key != "step"
+    }
+
+
+def _blocked_on_tp(dims: tuple[int, ...], grads: dict, name: str) -> dict:
+    cls = BLOCKED[name]
+    policy = cls.shard_policy(max_preconditioner_dim=BLOCK)
+    model, _, _ = wrapped_llama(dims, raggedfsdp.fully_shard, shard_policy=policy)
+    named = list(model.named_parameters())
+    opt = cls(named, **_blocked_options(name))
+    _step_with(named, grads, opt)
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": _blocked_state(opt, named)}
+
+
+@pytest.mark.parametrize("name", BLOCKED)
+@pytest.mark.parametrize("dims", [(2, 2), (1, 4), (2, 1, 2)], ids=lambda d: "x".join(map(str, d)))
+def test_blocked_step_equals_one_process_on_tp_parameters(dist_pool, dims, name):
+    """Shampoo and SOAP block the global tensor: each TP block holds whole blocks (colwise
+    ones whole slabs, rowwise ones whole block columns), so the step and the per-block state
+    are one process's."""
+    reference = make_llama()
+    named = list(reference.named_parameters())
+    gen = torch.Generator().manual_seed(10)
+    grads = {n: torch.randn(p.shape, generator=gen) for n, p in named}
+    opt = BLOCKED[name](named, **_blocked_options(name))
+    _step_with(named, grads, opt)
+    expected = _blocked_state(opt, named)
+    for result in dist_pool(4).run(_blocked_on_tp, dims, grads, name):
+        for n, p in named:
+            assert torch.equal(result["params"][n], p.detach()), n
+        assert result["state"].keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(result["state"][key], value), key
+
+
+# ----------------------------------------------------------------------------- refusals
+class _WholeTensorSign(ShardedOptimizer):
+    """A subclass written for data parallelism alone (``p -= lr * g / ‖g‖``): it does not set
+    ``handles_tensor_parallel``, so TP parameters are refused at its first step."""
+
+    @classmethod
+    def shard_policy(cls, **config):
+        return raggedfsdp.sharding.element_units()
+
+    def _policy(self):
+        return self.shard_policy()
+
+    def _state_specs(self, piece, group):
+        return {}
+
+    def _new_step(self, group, device):
+        return torch.tensor(0.0)
+
+    def _update(self, group, pieces, step):
+        for pc in pieces:
+            pc.local().add_(pc.local_grad(), alpha=-group["lr"])
+
+
+def _blocked_refusals() -> dict[str, str]:
+    model, _, _ = wrapped_llama((1, 4), raggedfsdp.fully_shard)
+    named = list(model.named_parameters())
+    before = {n: p.full_tensor() for n, p in named}
+    messages = {}
+    for name, cls in BLOCKED.items():  # wq's TP block has 4 rows: 8-row blocks do not fit
+        try:
+            cls(named, lr=LR, max_preconditioner_dim=8)
+        except ValueError as error:
+            messages[name] = str(error)
+    opt = _WholeTensorSign(named, {"lr": LR})
+    for _, p in named:
+        p.grad = torch.ones_like(p)
+    try:
+        opt.step()
+    except NotImplementedError as error:
+        messages["subclass"] = str(error)
+    try:
+        SOAP(named, lr=LR, max_preconditioner_dim=4, normalize_grads=True)
+    except ValueError as error:
+        messages["normalize_grads"] = str(error)
+    assert all(torch.equal(p.full_tensor(), before[n]) for n, p in named)
+    return messages
+
+
+def test_blocked_optimizers_refuse_what_tp_cannot_keep_whole(dist_pool):
+    for messages in dist_pool(4).run(_blocked_refusals):
+        assert messages.keys() == {"Shampoo", "SOAP", "subclass", "normalize_grads"}
+        for name in BLOCKED:
+            assert "'layers.0.attention.wq.weight'" in messages[name]
+            assert "does not hold whole blocks" in messages[name]
+            assert "max_preconditioner_dim" in messages[name]
+        assert "'tok_embeddings.weight'" in messages["subclass"]
+        assert "handles_tensor_parallel" in messages["subclass"]
+        assert "normalize_grads=False" in messages["normalize_grads"]
+        assert all("\n" not in m for m in messages.values())
