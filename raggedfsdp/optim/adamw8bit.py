@@ -321,7 +321,7 @@ class AdamW8bit(ShardedOptimizer):
         TP block, and the TP blocks' blocks to form a ``Shard`` of the absmax grid (so
         checkpoints keep the single-process grid). Refused otherwise, naming the fix."""
         shape, local, d = tp.global_shape, tp.local_shape, tp.dim
-        where = f"parameter {piece.name!r} is split by TP ({tp.placement!r} over {tp.size} ranks)"
+        where = self._split_by_tp(piece, tp)
         if self.tile and len(shape) >= 2:
             if d == len(shape) - 1:
                 if local[-1] % self.tile[1]:

@@ -135,7 +135,7 @@ class BlockedOptimizer(ShardedOptimizer):
         of the blocked view's first two dims, through block boundaries, and (on the first)
         to hold a contiguous run of its rows. Refused otherwise, naming the fix."""
         name = type(self).__name__
-        where = f"parameter {piece.name!r} is split by TP ({tp.placement!r} over {tp.size} ranks)"
+        where = self._split_by_tp(piece, tp)
         if self.merge_dims:
             raise ValueError(
                 f"{where}: {name}(merge_dims=True) would merge dims across the TP split; use "

@@ -411,12 +411,11 @@ class SOAP(BlockedOptimizer):
         """``BlockedOptimizer``'s checks; with ``normalize_grads``, tensors that are not
         preconditioned whole on one rank (their ``Σ N²`` is one rank's, whatever the world),
         and no TP split (``rms(N)`` of a TP-split tensor would need its TP blocks' sums)."""
-        if self.normalize_grads and tp_split_of(piece.spec) is not None:
-            tp = tp_split_of(piece.spec)
+        tp = tp_split_of(piece.spec)
+        if self.normalize_grads and tp is not None:
             raise ValueError(
-                f"parameter {piece.name!r} is split by TP ({tp.placement!r} over {tp.size} "
-                "ranks): SOAP(normalize_grads=True) does not sum rms(N) over TP yet; use "
-                "normalize_grads=False for TP parameters"
+                f"{self._split_by_tp(piece, tp)}: SOAP(normalize_grads=True) does not sum "
+                "rms(N) over TP yet; use normalize_grads=False for TP parameters"
             )
         super()._check_piece(piece, group)
         if self.normalize_grads and not self._preconditioned(piece):

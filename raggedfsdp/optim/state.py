@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from raggedfsdp.optim.contract import Mode, OptimizerHooks, Piece, StateBytes, StateSpec
 from raggedfsdp.optim.pieces import storage_bytes, unwrap
 from raggedfsdp.sharding import RaggedTensor
+from raggedfsdp.sharding.tp_shard import TPShard
 
 __all__ = ["ShardedState", "names_from"]
 
@@ -204,6 +205,11 @@ class ShardedState(OptimizerHooks):
         if fqn is None and piece.mode == "fsdp" and piece.spec is not None:
             fqn = piece.spec.name or None
         return f"{fqn!r} ({piece.name})" if fqn else repr(piece.name)
+
+    def _split_by_tp(self, piece: Piece, tp: TPShard) -> str:
+        """How refusals of a TP-split parameter begin: the parameter, its TP split."""
+        split = f"{tp.placement!r} over {tp.size} ranks"
+        return f"parameter {self._label(piece)} is split by TP ({split})"
 
     def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
         """Copy a saved entry that ``_check_state`` accepted into ``piece``'s state."""

@@ -64,12 +64,16 @@ class Config:
     beta2: Annotated[float, "Adam beta2"] = 0.95
     eps: Annotated[float, "Adam epsilon"] = 1e-8
     grad_clip: Annotated[float, "max global gradient norm (0: no clipping)"] = 1.0
+    preconditioner_dim: Annotated[
+        int, "Shampoo/SOAP block side (max_preconditioner_dim); with --tp it must divide them"
+    ] = 1024
     # parallelism and memory
     fsdp: Annotated[Literal["raggedfsdp", "fsdp2"], "raggedfsdp | fsdp2 (PyTorch)"] = "raggedfsdp"
     whole_experts: Annotated[
         bool, "MoE: every expert matrix whole on one rank even where it pads (default: up to 0.1 %)"
     ] = False
     dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
+    tp: Annotated[int, "tensor-parallel degree (last mesh dim, torchtitan's Llama plan)"] = 1
     mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
     all_gather: Annotated[
         Literal["param", "fp8", "mxfp8"],
@@ -97,7 +101,7 @@ class Config:
     def check(self) -> None:
         """Checks that need no process group (the batch split is checked at start-up)."""
         self.model.check()
-        positive = ("steps", "seq_len", "batch_size", "micro_batch_size", "dp_replicate")
+        positive = ("steps", "seq_len", "batch_size", "micro_batch_size", "dp_replicate", "tp")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -109,9 +113,61 @@ class Config:
             )
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
+        check_tp(self.model, self.seq_len, self.tp, self.all_gather)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def tp_split_dims(model: ModelConfig, seq_len: int) -> dict[str, int]:
+    """The sizes ``tensor_parallel``'s plan cuts into ``--tp`` equal parts, by the key that sets
+    each."""
+    return {
+        "model.n_heads": model.n_heads,
+        "model.n_kv_heads": model.n_kv_heads,
+        "SwiGLU width (model.dim, model.ffn_dim_multiplier, model.multiple_of)": model.ffn_hidden,
+        "model.vocab_size": model.vocab_size,
+        "seq_len": seq_len,  # sequence-parallel activations between the blocks
+    }
+
+
+def _degrees(dims: dict[str, int]) -> str:
+    """The TP degrees (up to the smallest dim) that divide every dim, for the error's fix."""
+    fits = [
+        str(d) for d in range(1, min(dims.values()) + 1) if all(v % d == 0 for v in dims.values())
+    ]
+    return f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
+
+
+def check_tp(model: ModelConfig, seq_len: int, tp: int, all_gather: str) -> None:
+    """Refuse a ``--tp`` the model cannot be split by (``tensor_parallel``'s plan), in one line
+    naming ``--tp`` and the fix, while the command line is parsed."""
+    if tp == 1:
+        return
+    if isinstance(model, MoEConfig):
+        raise ConfigError(
+            f"--tp {tp} with a MoE model: the recipe's TP plan covers the dense model only "
+            "(experts would need expert parallelism); use --tp 1 for MoE"
+        )
+    if model.tie_embeddings:
+        raise ConfigError(
+            f"--tp {tp} with --model.tie-embeddings: the TP plan shards the embedding and the "
+            "head as two parameters (torchtitan's Llama does not tie them); drop "
+            "--model.tie-embeddings or use --tp 1"
+        )
+    if all_gather != "param":
+        raise ConfigError(
+            f"--tp {tp} with --all-gather {all_gather}: raggedfsdp's FP8 all-gathers refuse "
+            "tensor-parallel weights (the FP8 tiles of a whole weight do not exist on one TP "
+            "rank); drop --all-gather or use --tp 1"
+        )
+    dims = tp_split_dims(model, seq_len)
+    bad = [f"{key}={size}" for key, size in dims.items() if size % tp]
+    if bad:
+        raise ConfigError(
+            f"--tp {tp} does not divide {', '.join(bad)} (TP splits each into {tp} equal parts): "
+            f"use --tp {_degrees(dims)}, or change those sizes"
+        )
 
 
 def _keys(cls: type) -> dict[str, Any]:

@@ -63,9 +63,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = apply_rope(self.wq(x).view(b, t, self.n_heads, self.head_dim), rope)
-        k = apply_rope(self.wk(x).view(b, t, self.n_kv_heads, self.head_dim), rope)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism the projections hold this rank's heads (torchtitan)
+        q = apply_rope(self.wq(x).view(b, t, -1, self.head_dim), rope)
+        k = apply_rope(self.wk(x).view(b, t, -1, self.head_dim), rope)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),

@@ -44,12 +44,20 @@ class Choice:
             the optimizer updates with AdamW, as Muon needs.
         kwargs: constructor keywords besides the parameter groups.
         torch_fallback: used when ``raggedfsdp.optim`` does not have ``attr``.
+        layout: the keywords of both the constructor and ``shard_policy`` (the block structure
+            the math needs and the shards must keep whole).
     """
 
     attr: str
     split_matrices: bool = False
     kwargs: Callable[[Config], dict[str, Any]] = adam_kwargs
     torch_fallback: type[torch.optim.Optimizer] | None = None
+    layout: Callable[[Config], dict[str, Any]] = lambda cfg: {}
+
+
+def preconditioner_layout(cfg: Config) -> dict[str, Any]:
+    """Shampoo's and SOAP's blocks (under ``--tp`` a side that divides every TP block)."""
+    return {"max_preconditioner_dim": cfg.preconditioner_dim}
 
 
 def muon_kwargs(cfg: Config) -> dict[str, Any]:
@@ -73,8 +81,8 @@ CHOICES: dict[str, Choice] = {
     "adamw": Choice("AdamW", torch_fallback=torch.optim.AdamW),
     "adamw8bit": Choice("AdamW8bit"),
     "muon": Choice("Muon", split_matrices=True, kwargs=muon_kwargs),
-    "shampoo": Choice("Shampoo", kwargs=shampoo_kwargs),
-    "soap": Choice("SOAP", kwargs=soap_kwargs),
+    "shampoo": Choice("Shampoo", kwargs=shampoo_kwargs, layout=preconditioner_layout),
+    "soap": Choice("SOAP", kwargs=soap_kwargs, layout=preconditioner_layout),
 }
 
 
@@ -109,13 +117,14 @@ def whole_expert_units(fqn: str, param: Any) -> int:
 
 
 def shard_policy(
-    cls: type[torch.optim.Optimizer], whole_experts: bool = False
+    cls: type[torch.optim.Optimizer], whole_experts: bool = False, **layout: Any
 ) -> ShardPolicy | None:
-    """The unit rule the optimizer's math needs, or None (``fully_shard``'s default: whole
-    experts within a 0.1 % padding budget) for torch's own optimizers. ``whole_experts`` keeps
-    every expert matrix whole on a rank even where that pads, on top of the optimizer's rule."""
+    """The unit rule the optimizer's math needs (with its ``layout`` keywords, see ``Choice``),
+    or None (``fully_shard``'s default: whole experts within a 0.1 % padding budget) for
+    torch's own optimizers. ``whole_experts`` keeps every expert matrix whole on a rank even
+    where that pads, on top of the optimizer's rule."""
     policy = getattr(cls, "shard_policy", None)
-    chosen = policy() if policy is not None else None
+    chosen = policy(**layout) if policy is not None else None
     if not whole_experts:
         return chosen
     return combine(chosen if chosen is not None else DEFAULT_POLICY, whole_expert_units)
@@ -149,9 +158,15 @@ def param_groups(model: nn.Module, cfg: Config, split_matrices: bool) -> list[di
 
 
 def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    """The optimizer of ``--optimizer``; one that refuses these parameters (e.g. blocks a
+    tensor-parallel split cuts) is a ConfigError naming the option, before anything trains."""
     cls = optimizer_class(cfg.optimizer, cfg.fsdp)
     choice = CHOICES[cfg.optimizer]
-    return cls(param_groups(model, cfg, choice.split_matrices), **choice.kwargs(cfg))
+    kwargs = choice.kwargs(cfg) | choice.layout(cfg)
+    try:
+        return cls(param_groups(model, cfg, choice.split_matrices), **kwargs)
+    except ValueError as err:
+        raise ConfigError(f"--optimizer {cfg.optimizer}: {err}") from err
 
 
 def lr_factor(step: int, cfg: Config) -> float:

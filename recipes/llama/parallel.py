@@ -3,7 +3,8 @@
 The recipe runs under ``torchrun`` (one process per device, any number of nodes) or as a plain
 ``python -m`` process (a world of one). ``--fsdp fsdp2`` swaps ``raggedfsdp.fully_shard`` for
 ``torch.distributed.fsdp.fully_shard`` with the same wrapping and mixed precision, so
-the two can be compared on the same run.
+the two can be compared on the same run. ``--tp N`` adds a tensor-parallel mesh dim
+(``tensor_parallel``'s plan) under either.
 """
 
 from __future__ import annotations
@@ -30,14 +31,17 @@ from recipes.llama.config import Config, ConfigError
 from recipes.llama.model import Transformer
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import model_class
+from recipes.llama.tensor_parallel import apply_tp_to_block, apply_tp_to_root
 
 __all__ = [
     "Env",
     "build_model",
     "check_expert_split",
+    "check_world",
     "clip_gradients",
     "distributed",
     "failing_together",
+    "make_env",
     "set_threads",
     "thread_count",
 ]
@@ -47,17 +51,44 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass
 class Env:
-    """Where this process sits: global rank and size, its device, the data-parallel mesh."""
+    """Where this process sits: global rank and size, its device, the data-parallel mesh
+    (``fully_shard``'s ``mesh``) and, with ``--tp`` above 1, the tensor-parallel one.
+
+    ``dp_rank`` / ``dp_size`` pick this process's rows of every global batch: the TP ranks of
+    one data-parallel index compute the same sequences, so they read the same rows."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the data-parallel mesh, row-major over its dims (replicate,
+        shard): the rank itself without TP."""
+        index = 0
+        for size, coordinate in zip(self.mesh.shape, self.mesh.get_coordinate(), strict=True):
+            index = index * size + coordinate
+        return index
+
+    def mesh_shape(self) -> dict[str, int]:
+        """Every mesh dim by name (the data-parallel ones, then ``tp``), for the banner."""
+        meshes = [self.mesh] if self.tp_mesh is None else [self.mesh, self.tp_mesh]
+        return {
+            name: size
+            for mesh in meshes
+            for name, size in zip(mesh.mesh_dim_names, mesh.shape, strict=True)
+        }
 
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch reads these at start-up
@@ -115,15 +146,44 @@ def _pin_gloo_to_loopback() -> None:
         pin_gloo_to_loopback()
 
 
-def _mesh(device: torch.device, world_size: int, replicate: int) -> DeviceMesh:
+def make_env(device: torch.device, local_rank: int, replicate: int = 1, tp: int = 1) -> Env:
+    """This rank's ``Env`` in the default process group: a 1-D ``shard`` mesh, ``(replicate,
+    shard)`` for HSDP; with ``tp`` above 1 torchtitan's ``(dp_shard, tp)`` or ``(dp_replicate,
+    dp_shard, tp)`` mesh, ``tp`` last so that a TP group is neighbouring ranks."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
     if world_size % replicate:
         raise ConfigError(
             f"dp_replicate={replicate} must divide the number of processes ({world_size})"
         )
+    check_world(tp, replicate, world_size)
+    shard = world_size // (replicate * tp)
+    if tp > 1:
+        dims = ("dp_replicate", "dp_shard", "tp") if replicate > 1 else ("dp_shard", "tp")
+        shape = (replicate, shard, tp) if replicate > 1 else (shard, tp)
+        full = init_device_mesh(device.type, shape, mesh_dim_names=dims)
+        dp = full["dp_replicate", "dp_shard"] if replicate > 1 else full["dp_shard"]
+        return Env(rank, world_size, local_rank, device, dp, full["tp"])
     if replicate == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    shape = (replicate, world_size // replicate)
-    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    else:
+        shape = (replicate, shard)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return Env(rank, world_size, local_rank, device, mesh)
+
+
+def check_world(tp: int, replicate: int, world_size: int) -> None:
+    """Refuse a ``--tp`` (with ``--dp-replicate``) that does not divide the processes, before
+    the process group is touched."""
+    if tp == 1 or world_size % (tp * replicate) == 0:
+        return
+    fits = [str(d) for d in range(1, world_size + 1) if world_size % (d * replicate) == 0]
+    degrees = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else "".join(fits) or "1"
+    with_replicas = f" x --dp-replicate {replicate}" if replicate > 1 else ""
+    raise ConfigError(
+        f"--tp {tp}{with_replicas} does not divide the {world_size} processes into "
+        f"data-parallel groups: use --tp {degrees}, or launch a multiple of {tp * replicate} "
+        "processes"
+    )
 
 
 def check_expert_split(cfg: Config, world_size: int) -> None:
@@ -154,9 +214,9 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = _device(cfg.device, local_rank)
     created = not dist.is_initialized()
-    check_expert_split(
-        cfg, int(os.environ.get("WORLD_SIZE", 1)) if created else dist.get_world_size()
-    )
+    world = int(os.environ.get("WORLD_SIZE", 1)) if created else dist.get_world_size()
+    check_expert_split(cfg, world)
+    check_world(cfg.tp, cfg.dp_replicate, world)
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ:  # torchrun
@@ -167,8 +227,7 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     together = True
     try:
-        rank, world = dist.get_rank(), dist.get_world_size()
-        yield Env(rank, world, local_rank, device, _mesh(device, world, cfg.dp_replicate))
+        yield make_env(device, local_rank, cfg.dp_replicate, cfg.tp)
     except agreed:
         raise
     except BaseException:
@@ -234,7 +293,9 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     after forward and not gathered again for backward, which does not read it) and the final
     norm with the output projection as one group kept unsharded after forward (backward needs
     them first), so the root does not hold them, nor the output's gradient, through the whole
-    backward; tied embeddings stay in the root's group.
+    backward; tied embeddings stay in the root's group. With ``--tp`` each block gets the TP
+    plan once its weights exist (whole, from the seed), before it is wrapped, so both FSDPs
+    shard this rank's TP blocks over ``env.mesh`` as torchtitan does.
 
     Wrapped alone, those parameters are named ``weight`` (``0.weight``, ``1.weight``), so a
     name-based policy such as Muon's cannot tell them from hidden matrices; its default "auto"
@@ -244,10 +305,14 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     wrap = _wrapper(cfg, env.mesh, policy)
     for index, block in enumerate(model.layers):
         model.materialize_block(index, env.device, cfg.seed)
+        if env.tp_mesh is not None:  # whole weights in, this rank's TP blocks out
+            apply_tp_to_block(block, env.tp_mesh)
         if cfg.compile:  # blocks of one shape share one graph; FSDP's hooks stay outside it
             block.compile()
         wrap(block)
     model.materialize_root(env.device, cfg.seed)
+    if env.tp_mesh is not None:
+        apply_tp_to_root(model, env.tp_mesh)
     if not cfg.model.tie_embeddings:
         # an embedding's backward needs the token ids, not its weight: no all-gather for it
         wrap(model.tok_embeddings).set_unshard_in_backward(False)

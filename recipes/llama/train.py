@@ -50,7 +50,13 @@ from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes, rout
 from recipes.llama.model import flops_per_token, matmul_params
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import balance_routers
-from recipes.llama.optimizers import Schedule, build_optimizer, optimizer_class, shard_policy
+from recipes.llama.optimizers import (
+    CHOICES,
+    Schedule,
+    build_optimizer,
+    optimizer_class,
+    shard_policy,
+)
 from recipes.llama.parallel import (
     Env,
     build_model,
@@ -79,25 +85,28 @@ class RunResult:
     tokens_per_s: list[float] = field(default_factory=list)  # per step of this launch
 
 
-def grad_accumulation(cfg: Config, world_size: int) -> int:
-    """Micro-batches per step so that ``batch_size`` sequences are split evenly; the error
-    names the values that would work."""
-    per_rank, rest = divmod(cfg.batch_size, world_size)
-    processes = f"{world_size} process{'es' if world_size > 1 else ''}"
+def grad_accumulation(cfg: Config, dp_size: int, tp: int = 1) -> int:
+    """Micro-batches per step so that ``batch_size`` sequences are split evenly over the
+    ``dp_size`` data-parallel ranks (the processes, or processes / ``tp`` under tensor
+    parallelism, whose TP ranks share their rows); the error names the values that would work."""
+    per_rank, rest = divmod(cfg.batch_size, dp_size)
+    processes = f"{dp_size} process{'es' if dp_size > 1 else ''}"
+    if tp > 1:
+        processes = f"{dp_size} data-parallel rank{'s' if dp_size > 1 else ''} (--tp {tp})"
     if rest:
-        lower, upper = cfg.batch_size - rest, cfg.batch_size - rest + world_size
+        lower, upper = cfg.batch_size - rest, cfg.batch_size - rest + dp_size
         sizes = f"{lower} or {upper}" if lower else str(upper)
         raise ConfigError(
             f"--batch-size {cfg.batch_size} cannot be split over {processes}: use a "
-            f"multiple of {world_size} (e.g. --batch-size {sizes}) or another number of processes"
+            f"multiple of {dp_size} (e.g. --batch-size {sizes}) or another number of processes"
         )
     if per_rank % cfg.micro_batch_size:
         fits = [str(d) for d in range(1, per_rank + 1) if per_rank % d == 0]
         choices = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else fits[0]
         raise ConfigError(
             f"--micro-batch-size {cfg.micro_batch_size} does not divide the {per_rank} "
-            f"sequences each process gets per step (--batch-size {cfg.batch_size} over "
-            f"{processes}): use --micro-batch-size {choices}"
+            f"sequences each {'data-parallel rank' if tp > 1 else 'process'} gets per step "
+            f"(--batch-size {cfg.batch_size} over {processes}): use --micro-batch-size {choices}"
         )
     return per_rank // cfg.micro_batch_size
 
@@ -128,7 +137,7 @@ def evaluate(model: nn.Module, batches: Batches, cfg: Config, env: Env, accum: i
     total = torch.zeros((), device=env.device)
     for index in range(cfg.eval_batches):
         for micro in range(accum):
-            x, y = batches.local(index, env.rank, env.world_size, micro, accum)
+            x, y = batches.local(index, env.dp_rank, env.dp_size, micro, accum)
             total += loss_fn(model, x.to(env.device), y.to(env.device))
     if cfg.fsdp == "fsdp2":  # FSDP2 keeps its root (and [norm, output]) gathered for a backward
         for module in model.modules():
@@ -159,13 +168,16 @@ def train_step(
     computed from the token counts summed over all ranks (one all-reduce per step)."""
     loss_sum = torch.zeros((), device=env.device)
     for micro in range(accum):
-        x, y = batches.local(step, env.rank, env.world_size, micro, accum)
+        x, y = batches.local(step, env.dp_rank, env.dp_size, micro, accum)
         model.set_requires_gradient_sync(micro == accum - 1)
         loss = loss_fn(model, x.to(env.device), y.to(env.device)) / accum
         loss.backward()
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, cfg)
-    optimizer.step()
+    try:
+        optimizer.step()
+    except NotImplementedError as err:  # it refuses these parameters (e.g. tensor-parallel ones)
+        raise ConfigError(f"--optimizer {cfg.optimizer}: {err}") from err
     optimizer.zero_grad(set_to_none=True)
     rate = cfg.model.bias_update_rate if isinstance(cfg.model, MoEConfig) else 0.0
     loads = balance_routers(model, rate)  # {} for a dense model: no communication
@@ -201,7 +213,7 @@ def find_start(cfg: Config, env: Env) -> Start | str:
     finished = read_finished(Path(cfg.run_dir)) if cfg.resume == "auto" else None
     if finished is not None and finished.same_run(cfg) and finished.step >= cfg.steps:
         return finished.nothing_to_train(cfg.run_dir, cfg.steps)
-    accum = grad_accumulation(cfg, env.world_size)
+    accum = grad_accumulation(cfg, env.dp_size, cfg.tp)
     data = open_data(cfg, env)
     optimizer_cls = optimizer_class(cfg.optimizer, cfg.fsdp)  # fail before building anything
     data_position = {"seed": cfg.seed, "train_sha256": data.meta["sha256"]["train"]}
@@ -246,7 +258,8 @@ def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
     """Model, optimizer, schedule, the resumed checkpoint (if any) and the logger, in that
     order, from ``start``; ``threads`` is the banner's note on the thread count."""
     # The same weights on every rank (seeded by name), sharded block by block as they are made.
-    model = build_model(cfg, env, shard_policy(start.optimizer_cls, cfg.whole_experts))
+    layout = CHOICES[cfg.optimizer].layout(cfg) if cfg.fsdp == "raggedfsdp" else {}
+    model = build_model(cfg, env, shard_policy(start.optimizer_cls, cfg.whole_experts, **layout))
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = matmul_params(model)
     optimizer = build_optimizer(model, cfg)
@@ -263,7 +276,7 @@ def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
     cls = start.optimizer_cls
     info = {
         "world_size": env.world_size,
-        "mesh": dict(zip(env.mesh.mesh_dim_names, env.mesh.shape, strict=True)),
+        "mesh": env.mesh_shape(),
         "grad_accumulation": start.accum,
         "n_params": n_params,
         "flops_per_token": flops_token,

@@ -1,0 +1,141 @@
+"""``--tp N`` end to end on the gloo pools: dp 2 x tp 2 trains as plain FSDP does and as FSDP2 x
+TP does, HSDP x TP with bf16 and activation checkpointing, checkpoints that resume at another
+(dp, tp), every optimizer training with TP (and blocks a TP split cuts refused in one line),
+and each bad ``--tp`` refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from recipes.llama.config import ConfigError, parse_args
+from recipes.llama.optimizers import CHOICES
+from recipes.llama.parallel import check_world
+from tests.support.recipe_runs import args, run_main, run_train
+
+# TP sums the row-wise layers' and the sequence-parallel norms' partial products in another
+# order than one process does (as FSDP2 x TP does): losses agree to float rounding.
+TP_TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--tp", "3"],
+            "--tp 3 does not divide model.n_heads=4, model.n_kv_heads=2, model.vocab_size=256, "
+            "seq_len=32 (TP splits each into 3 equal parts): use --tp 1 or 2, or change those "
+            "sizes",
+        ),
+        (
+            ["--tp", "2", "--model.tie-embeddings"],
+            "--tp 2 with --model.tie-embeddings: the TP plan shards the embedding and the head "
+            "as two parameters",
+        ),
+        (["--tp", "2", "--all-gather", "fp8"], "--tp 2 with --all-gather fp8: raggedfsdp's FP8"),
+        (["--tp", "2", "--config", "moe_tiny"], "--tp 2 with a MoE model"),
+        (["--tp", "0"], "tp=0 must be >= 1"),
+    ],
+    ids=["heads", "tied", "fp8", "moe", "zero"],
+)
+def test_a_tp_the_model_cannot_split_is_refused_while_parsing(data_dir, tmp_path, extra, message):
+    with pytest.raises(ConfigError) as err:
+        parse_args(args(data_dir, tmp_path, *extra))
+    assert str(err.value).startswith(message), err.value
+
+
+def test_a_tp_that_does_not_divide_the_processes_is_refused_before_the_group():
+    with pytest.raises(ConfigError) as err:
+        check_world(4, 1, 6)
+    assert str(err.value) == (
+        "--tp 4 does not divide the 6 processes into data-parallel groups: use --tp 1, 2, 3 or "
+        "6, or launch a multiple of 4 processes"
+    )
+    check_world(2, 2, 4)  # (dp_replicate 2, dp_shard 1, tp 2)
+
+
+def test_tp_not_dividing_the_world_ends_every_rank_with_one_line(dist_pool, data_dir, tmp_path):
+    argv = args(data_dir, tmp_path / "run", "--tp", "4", "--model.n-kv-heads", "4")
+    results = dist_pool(2).run(run_main, argv)
+    assert [code for code, _, _ in results] == [2, 2], results
+    assert results[0][1:] == (
+        "",
+        "error: --tp 4 does not divide the 2 processes into data-parallel groups: use --tp 1 "
+        "or 2, or launch a multiple of 4 processes\n",
+    )
+    assert results[1][1:] == ("", "")
+
+
+@pytest.mark.slow  # ~40 s: three 8-step runs at W=4 and W=2 on 2 cores
+def test_dp2_tp2_trains_as_plain_fsdp_and_as_fsdp2_tp(dist_pool, data_dir, tmp_path):
+    plain = dist_pool(2).run(run_train, args(data_dir, tmp_path / "plain"))[0].losses
+    ours = dist_pool(4).run(run_train, args(data_dir, tmp_path / "tp", "--tp", "2"), timeout=180)
+    assert all(r.losses == ours[0].losses for r in ours)  # every rank logs the agreed loss
+    fsdp2 = (
+        dist_pool(4)
+        .run(
+            run_train,
+            args(data_dir, tmp_path / "fsdp2", "--tp", "2", "--fsdp", "fsdp2"),
+            timeout=180,
+        )[0]
+        .losses
+    )
+    losses = ours[0].losses
+    assert list(losses) == list(range(1, 9)) and losses[8] < losses[1] - 1.0
+    for step, loss in losses.items():
+        assert abs(loss - plain[step]) < TP_TOLERANCE, (step, loss, plain[step])
+        assert abs(loss - fsdp2[step]) < TP_TOLERANCE, (step, loss, fsdp2[step])
+    assert ours[0].val_losses[8] == pytest.approx(
+        dist_pool(1).run(run_train, args(data_dir, tmp_path / "w1"))[0].val_losses[8],
+        abs=TP_TOLERANCE,
+    )
+
+
+def test_a_dp2_tp2_checkpoint_resumes_at_dp4_and_at_dp1_tp2(dist_pool, data_dir, tmp_path):
+    straight = dist_pool(4).run(
+        run_train, args(data_dir, tmp_path / "tp", "--tp", "2"), timeout=180
+    )[0]
+    saved = tmp_path / "step4"
+    shutil.copytree(tmp_path / "tp" / "checkpoints" / "step_00000004", saved)
+    for world, tp in ((4, 1), (2, 2)):
+        resumed = dist_pool(world).run(
+            run_train,
+            args(data_dir, tmp_path / f"w{world}-tp{tp}", "--tp", str(tp), "--resume", str(saved)),
+            timeout=180,
+        )[0]
+        assert resumed.resumed_from == str(saved)
+        assert list(resumed.losses) == [5, 6, 7, 8]
+        for step, loss in resumed.losses.items():
+            assert abs(loss - straight.losses[step]) < TP_TOLERANCE, (world, tp, step)
+
+
+def test_hsdp_tp_bf16_activation_checkpointing(dist_pool, data_dir, tmp_path):
+    extra = ["--tp", "2", "--dp-replicate", "2", "--mixed-precision", "bf16"]
+    extra += ["--activation-checkpointing", "--checkpoint-every", "0", "--steps", "4"]
+    results = dist_pool(4).run(run_train, args(data_dir, tmp_path / "hsdp", *extra), timeout=180)
+    losses = results[0].losses
+    assert all(r.losses == losses for r in results)
+    assert list(losses) == [1, 2, 3, 4] and losses[4] < losses[1] - 0.5
+
+
+@pytest.mark.parametrize("optimizer", [name for name in CHOICES if name != "adamw"])
+def test_every_optimizer_trains_with_tp(dist_pool, data_dir, tmp_path, optimizer):
+    """Muon, AdamW8bit, Shampoo and SOAP step TP parameters as one process would (Shampoo and
+    SOAP with blocks that divide every TP block): two steps on both ranks."""
+    extra = ["--tp", "2", "--optimizer", optimizer, "--steps", "2", "--checkpoint-every", "0"]
+    extra += ["--preconditioner-dim", "8"]
+    results = dist_pool(2).run(run_main, args(data_dir, tmp_path / optimizer, *extra))
+    assert [r[0] for r in results] == [0, 0], results
+    assert results[0][2] == "", results[0][2]
+
+
+def test_blocks_a_tp_split_cuts_end_the_run_in_one_line(dist_pool, data_dir, tmp_path):
+    """Shampoo's default 1024-side blocks are whole matrices here, which TP splits: refused
+    while the optimizer is built, naming the parameter and the option to change."""
+    extra = ["--tp", "2", "--optimizer", "shampoo", "--steps", "2", "--checkpoint-every", "0"]
+    results = dist_pool(2).run(run_main, args(data_dir, tmp_path / "run", *extra))
+    err = results[0][2]
+    assert [r[0] for r in results] == [2, 2] and results[1][1:] == ("", ""), results
+    assert err.startswith("error: --optimizer shampoo: parameter ") and err.count("\n") == 1, err
+    assert "split by TP" in err and "max_preconditioner_dim" in err
