@@ -80,6 +80,29 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.requires_gradient_sync = requires_gradient_sync
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward is not the step's last (a pipeline schedule's
+        microbatches), so its end leaves reduce-scatters still in flight running (they are
+        waited on by the next backward's, or by the last one's end), as FSDP2's method. Each
+        backward's gradients are reduced as ``set_requires_gradient_sync`` says either way."""
+        for state in self._states(recurse=True):
+            state.is_last_backward = is_last_backward
+
+    def reduce_accumulated_gradients(self) -> None:
+        """Reduce the gradients that backwards without sync accumulated (outside backward):
+        what a pipeline schedule runs once after all microbatches (FSDP2's ``post_backward``
+        there; ``raggedfsdp.fsdp.pipelining.PipelineStage`` calls it). Sets the sharded ``.grad``; a
+        no-op if nothing is accumulated."""
+        ctx = self._fsdp_state().ctx
+        if ctx is None:
+            return
+        if ctx.backward_active:
+            raise RuntimeError(
+                "reduce_accumulated_gradients() inside backward: call it after the backward "
+                "passes of the step (a pipeline schedule's microbatches) have finished"
+            )
+        ctx.finish_backward(reduce_accumulated=True)
+
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``fully_shard``'s ``reshard_after_forward`` at run time (e.g. ``False`` for
         gradient accumulation, or on the root for FSDP2's schedule, which keeps its parameters

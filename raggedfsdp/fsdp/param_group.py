@@ -222,9 +222,9 @@ class ParamGroup:
     def check_conversion(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Refuse, before anything changes, a ``Module._apply`` conversion (``to_empty()``,
         ``to()``, ``cuda()``, ``half()``...) that the group cannot follow: one made while it is
-        gathered or holds gradients not yet reduced, one that changes the dtype (the plan and
-        the optimizer state are in it), or one to a device type the mesh does not communicate
-        on."""
+        gathered or holds gradients not yet reduced, one to a non-float dtype or under an FP8
+        all-gather, or one to a device type the mesh does not communicate on. A float dtype
+        change casts the sharded storage, as FSDP2's does (the plan is in elements)."""
         if self.is_unsharded or self._gather is not None or self._post_forward is not None:
             busy = "is gathered"
         elif self._reduce is not None or self.has_unreduced_grads or self._partial is not None:
@@ -238,11 +238,15 @@ class ParamGroup:
             )
         with torch.no_grad():
             probe = fn(torch.empty(0, dtype=self.orig_dtype, device=self.device))
-        if probe.dtype != self.orig_dtype:
+        if probe.dtype != self.orig_dtype and (
+            self._float8 is not None or not probe.dtype.is_floating_point
+        ):
+            why = "its FP8 all-gather is set up" if self._float8 is not None else "not a float"
             raise TypeError(
                 f"fully_shard group {self.name!r} holds {self.orig_dtype} parameters and cannot "
-                f"become {probe.dtype} after wrapping; cast the module before fully_shard, or "
-                "compute in another dtype with MixedPrecisionPolicy(param_dtype=...)"
+                f"become {probe.dtype} after wrapping ({why}); cast the module before "
+                "fully_shard, or compute in another dtype with "
+                "MixedPrecisionPolicy(param_dtype=...)"
             )
         mesh = self.mesh.device_mesh
         if mesh is not None and probe.device.type not in (mesh.device_type, "meta"):
@@ -265,6 +269,7 @@ class ParamGroup:
                 return False
             grads = [None if mp.sharded.grad is None else fn(mp.sharded.grad) for mp in self.params]
         old = [mp.sharded for mp in self.params]
+        self.orig_dtype = segment.dtype  # ``.double()`` after wrapping casts the storage (FSDP2)
         self._build_storage(segment.device)
         self.master.load_shard(segment)
         for mp, param, grad in zip(self.params, old, grads, strict=True):

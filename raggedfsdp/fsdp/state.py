@@ -143,7 +143,7 @@ class RootContext:
         if not self.backward_active:
             self.backward_active = True
             self.final.clear()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     def finish_reduce(self, group: ParamGroup) -> None:
         """Finish ``group``'s reduction, then run the post-accumulate-grad hooks of the sharded
@@ -191,22 +191,29 @@ class RootContext:
         self.final.clear()
         self.backward_active = False
 
-    def _finish_backward(self) -> None:
+    def finish_backward(self, reduce_accumulated: bool = False) -> None:
+        """The end of a backward (autograd's final callback), or with ``reduce_accumulated``
+        a flush of what backwards without sync accumulated, every group's gradients reduced.
+        After a backward that is not the step's last (``set_is_last_backward(False)``) the
+        reduce-scatters still in flight stay so."""
         groups = [g for s in self.states for g in s.groups]
         for group in groups:  # groups with unused parameters never completed: zeros for those
             if (
-                group.requires_gradient_sync
+                (group.requires_gradient_sync or reduce_accumulated)
                 and group.has_unreduced_grads
                 and not group.reduce_pending
             ):
                 self.reduce(group)
-        for group in [*self.reducing, *groups]:
+        last = reduce_accumulated or all(s.is_last_backward for s in self.states)
+        for group in [*self.reducing, *groups] if last else groups:
             # parameters first, as in reduce(): then the flat buffer
             group.reshard(free=group.reshard_after_backward)
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
-            self.finish_reduce(group)
+            if last or not group.reduce_pending:
+                self.finish_reduce(group)
             group.forget_backward()
-        self.reducing.clear()
+        if last:
+            self.reducing.clear()
         self.final.clear()
         self.backward_active = False
 
@@ -250,6 +257,7 @@ class FSDPState:
         # FSDP2 gathers every group for backward; one of embedding weights is never read there
         self.unshard_in_backward = group is not None and bool(group.read_in_backward)
         self._yet_to_run: set[int] = set()  # ids of this forward's modules that have not run
+        self.is_last_backward = True  # set_is_last_backward(False): a microbatch's backward
         # with a forward_only group: this forward's outputs, and its inputs' autograd nodes
         # (where the search for other uses of the embedding weights stops)
         self._outputs: list[torch.Tensor] = []
@@ -266,6 +274,7 @@ class FSDPState:
             module.register_forward_hook(self.post_forward, prepend=False)
         self._hooked: set[int] = set()  # ids of the unsharded params whose gradients are hooked
         self._hook_gradients()
+        self._hook_state_dicts()
 
     @property
     def groups(self) -> list[ParamGroup]:
@@ -280,6 +289,19 @@ class FSDPState:
                 if mp.unsharded.requires_grad and id(mp.unsharded) not in self._hooked:
                     mp.unsharded.register_post_accumulate_grad_hook(self._grad_hook(group, i))
                     self._hooked.add(id(mp.unsharded))
+
+    def _hook_state_dicts(self) -> None:
+        """A state dict saved or loaded while a group is gathered (between forward and
+        backward with ``reshard_after_forward=False``, or mid-step) sees the sharded
+        parameters, as FSDP2's does: the modules holding them show them again first. The
+        gathered memory stays, and the next forward or backward points the modules at it
+        again (``use_unsharded_params``)."""
+        for group in self.groups:
+            modules = {id(m): m for mp in group.params for m, _ in mp.locations}
+            show_sharded = _showing_sharded(weakref.ref(group))
+            for module in modules.values():
+                module.register_state_dict_pre_hook(show_sharded)
+                module._register_load_state_dict_pre_hook(show_sharded)
 
     def convert(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """``Module._apply``'s conversion of the groups (see ``ParamGroup.convert``)."""
@@ -595,3 +617,15 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree
     )
+
+
+def _showing_sharded(group_ref: weakref.ref[ParamGroup]) -> Callable[..., None]:
+    """A state-dict pre-hook pointing a group's modules at its sharded parameters; holds the
+    group weakly (the module holds the hook, the group holds the module)."""
+
+    def hook(*args: Any, **kwargs: Any) -> None:
+        group = group_ref()
+        if group is not None:
+            group.use_sharded_params()
+
+    return hook
