@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ShardMesh",
+    "dp_submesh",
     "group_rank",
     "group_size",
     "product_group",
@@ -146,6 +147,24 @@ def resolve_mesh(mesh_or_group: MeshLike | ShardMesh = None) -> ShardMesh:
         replicate = mesh_or_group.get_group(0) if mesh_or_group.ndim == 2 else None
         return ShardMesh.from_groups(resolve_group(mesh_or_group), replicate, mesh_or_group)
     return ShardMesh.from_groups(resolve_group(mesh_or_group))
+
+
+def dp_submesh(
+    mesh: DeviceMesh, shard_names: tuple[str, ...], replicate_names: tuple[str, ...] = ()
+) -> DeviceMesh:
+    """The data-parallel mesh of torch 2.13's SPMD form (``dp_mesh_dims``), derived from the
+    full ``mesh`` as FSDP2 does: the named shard dim (several names are flattened into one,
+    ``mesh[names]._flatten(...)``, which makes one new group), and for HSDP the named
+    replicate dim(s) before it, as a 2-D ``(replicate, shard)`` mesh that ``resolve_mesh``
+    reads. The names must be dims of ``mesh`` (``fully_shard`` checks them first)."""
+
+    def one(names: tuple[str, ...]) -> DeviceMesh:
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    shard = one(shard_names)
+    if not replicate_names:
+        return shard
+    return DeviceMesh._concatenate([one(replicate_names), shard])
 
 
 # (shard group, size) -> (the shard group, kept alive so its id is not reused; the subgroup)

@@ -24,16 +24,18 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
+from raggedfsdp.comm.mesh import dp_submesh
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup, is_plain_embedding_weight
 from raggedfsdp.fsdp.state import STATE_ATTR, FSDPState, state_of
 from raggedfsdp.fsdp.step_guard import install_step_guard, mark_replaced
-from raggedfsdp.fsdp.tensor_parallel import tp_shard_of
+from raggedfsdp.fsdp.tensor_parallel import SPMDMesh, tp_shard_of
 from raggedfsdp.sharding import DEFAULT_POLICY, RaggedTensor, ShardPolicy
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -264,6 +266,7 @@ def fully_shard(
     reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_policy: ShardPolicy | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not taken by an earlier call) as one group.
 
@@ -300,6 +303,13 @@ def fully_shard(
             units' plus 0.1 % of its elements (``ExpertShardPolicy(max_extra_padding=...)``;
             the group's ``notes`` say which). Pass an optimizer's policy, e.g.
             ``combine(DEFAULT_POLICY, AdamW8bit.shard_policy())``, so its blocks are never cut.
+        dp_mesh_dims: torch 2.13's SPMD form (``torch.distributed.fsdp.DataParallelMeshDims``):
+            ``mesh`` is then the full mesh (e.g. ``("dp_shard", "tp")``), every parameter a
+            DTensor on it with ``Replicate()`` on the data-parallel dims and ``Shard(d)`` or
+            ``Replicate()`` on the one other (TP) dim; ``shard`` (and, for HSDP, ``replicate``)
+            names the data-parallel dims (several names are flattened into one, as FSDP2
+            does). The module is handed its parameters as such DTensors before forward; the
+            gradients' dp partial sums are reduced as FSDP2 does (docs/tensor_parallel.md).
 
     Parameters must be initialised identically on every rank (same seed), or afterwards: on
     the meta device, then ``to_empty(device=...)`` and ``nn.init`` on the sharded parameters
@@ -307,11 +317,11 @@ def fully_shard(
     own copy.
     """
     modules = _as_module_list(module)
-    shard_mesh = resolve_mesh(mesh)
+    shard_mesh, spmd = _resolve_dp_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, shard_mesh)
     _check_policies(mp_policy, shard_policy)
     mp_policy = mp_policy or MixedPrecisionPolicy()
-    params = _collect_params(modules, shard_mesh)
+    params = _collect_params(modules, shard_mesh, spmd)
     owner = " + ".join(type(m).__name__ for m in modules)
     if params:
         _check_mesh_device(shard_mesh, params[0].original, params[0].fqn)
@@ -442,10 +452,13 @@ def _check_reshard_after_forward(value: Any, mesh: ShardMesh) -> bool | int | No
     return True if size == mesh.shard_size else size
 
 
-def _collect_params(modules: list[nn.Module], mesh: ShardMesh) -> list[ManagedParam]:
+def _collect_params(
+    modules: list[nn.Module], mesh: ShardMesh, spmd: SPMDMesh | None = None
+) -> list[ManagedParam]:
     """The parameters of ``modules`` outside already-wrapped submodules, each once, with every
     place that refers to it (names get the module's list index when there are several).
-    Tensor-parallel DTensors are checked against ``mesh`` (``tp_shard_of``)."""
+    Tensor-parallel DTensors are checked against ``mesh`` (``tp_shard_of``); in the SPMD form
+    (``spmd``) every parameter must be a DTensor on its full mesh."""
     found: dict[int, ManagedParam] = {}
 
     def visit(mod: nn.Module, prefix: str) -> None:
@@ -471,7 +484,7 @@ def _collect_params(modules: list[nn.Module], mesh: ShardMesh) -> list[ManagedPa
                     "cannot join a group yet. Shard this module's parameters one way only"
                 )
             if id(param) not in found:
-                tp = tp_shard_of(fqn, param, mesh) if is_dtensor else None
+                tp = tp_shard_of(fqn, param, mesh, spmd) if is_dtensor or spmd else None
                 found[id(param)] = ManagedParam(fqn, param, [(mod, name)], tp)
             elif (mod, name) not in found[id(param)].locations:  # a module reached twice
                 found[id(param)].locations.append((mod, name))
@@ -482,6 +495,68 @@ def _collect_params(modules: list[nn.Module], mesh: ShardMesh) -> list[ManagedPa
     for i, module in enumerate(modules):
         visit(module, f"{i}." if len(modules) > 1 else "")
     return list(found.values())
+
+
+def _resolve_dp_mesh(
+    mesh: Any, dims: Any, reshard_after_forward: Any
+) -> tuple[ShardMesh, SPMDMesh | None]:
+    """The data-parallel mesh, and for torch 2.13's SPMD form (``dp_mesh_dims``) the full mesh
+    with its dp and TP dims. Checked as FSDP2's ``_validate_mesh`` does (a DeviceMesh with
+    dim names, the names among them, at least one of shard and replicate set), and what this
+    form does not cover yet is refused: replicate-only (DDP), an int
+    ``reshard_after_forward`` (FSDP2 refuses it too), and a mesh whose non-dp dims are not
+    exactly one TP dim."""
+    if dims is None:
+        return resolve_mesh(mesh), None
+    where = f"fully_shard(dp_mesh_dims={dims!r})"
+    if not isinstance(dims, DataParallelMeshDims):
+        raise TypeError(
+            f"{where}: expected a torch.distributed.fsdp.DataParallelMeshDims, e.g. "
+            "DataParallelMeshDims(shard='dp_shard')"
+        )
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(
+            f"{where}: mesh must be the full DeviceMesh with mesh_dim_names that the "
+            f"parameters are DTensors on, got {mesh!r}; pass mesh=init_device_mesh(..., "
+            "mesh_dim_names=('dp_shard', 'tp'))"
+        )
+    names = tuple(mesh.mesh_dim_names)
+    shard, replicate = dims.shard_names, dims.replicate_names
+    if not shard and not replicate:
+        raise ValueError(f"{where}: set at least one of shard and replicate (as FSDP2 requires)")
+    for name in shard + replicate:
+        if name not in names:
+            raise ValueError(
+                f"{where}: mesh dim name {name!r} is not one of the mesh's dims {names}; name "
+                "the data-parallel dims of the mesh passed as mesh="
+            )
+    if len(set(shard + replicate)) != len(shard + replicate):
+        raise ValueError(f"{where}: a mesh dim is named twice; name each data-parallel dim once")
+    if not shard:
+        raise NotImplementedError(
+            f"{where}: replicate-only (DDP) is not supported by raggedfsdp's fully_shard; name "
+            f"the dim to shard over, e.g. DataParallelMeshDims(shard={replicate[0]!r})"
+        )
+    others = tuple(n for n in names if n not in shard + replicate)
+    if len(others) != 1:
+        raise NotImplementedError(
+            f"{where}: the mesh {names} has {len(others)} dims besides the data-parallel ones "
+            f"{others}; raggedfsdp composes with exactly one (the TP dim). "
+            + (
+                "Without a TP dim, pass plain parameters and fully_shard(..., mesh=mesh) "
+                "without dp_mesh_dims"
+                if not others
+                else "Flatten the model-parallel dims into one, or name the extra ones as "
+                "data-parallel"
+            )
+        )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward}) with dp_mesh_dims: an "
+            "int is not supported in the SPMD form (as in FSDP2); pass True or False"
+        )
+    spmd = SPMDMesh(mesh, tuple(names.index(n) for n in shard + replicate), names.index(others[0]))
+    return resolve_mesh(dp_submesh(mesh, shard, replicate)), spmd
 
 
 def _check_tp_policies(params: list[ManagedParam], mp_policy: MixedPrecisionPolicy | None) -> None:

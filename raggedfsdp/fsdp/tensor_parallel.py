@@ -12,16 +12,25 @@ are brought to the parameter's placement by DTensor (TP's own reductions, e.g. t
 sequence-parallel norms' partial sums, as FSDP2 does) and only their local tensors enter the
 flat gradient buffer, which is reduce-scattered over data parallel alone.
 
+torch 2.13's SPMD form, ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=...)`` with
+parameters already DTensors on the full mesh (``Replicate()`` on the dp dims), reuses all of
+this with the full mesh's one other dim as the TP mesh (``SPMDMesh``): the module is handed
+full-mesh DTensors, and a gradient's dp dims (``Partial`` over a dp-sharded batch) are left to
+the group's reduce-scatter, as FSDP2 does, while DTensor brings its TP dim to the parameter's.
+
 Everything that cannot compose is refused here, before anything changes, in one line naming
 the parameter and the fix.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from raggedfsdp.comm import ShardMesh
@@ -31,6 +40,7 @@ from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_of
 from raggedfsdp.sharding.tp_split import tp_block_note, tp_local_shape
 
 __all__ = [
+    "SPMDMesh",
     "check_tp_optimizer",
     "local_grad",
     "tp_block_notes",
@@ -39,21 +49,84 @@ __all__ = [
 ]
 
 
-def tp_shard_of(fqn: str, param: torch.Tensor, mesh: ShardMesh) -> TPShard | None:
+@dataclass(frozen=True)
+class SPMDMesh:
+    """torch 2.13's SPMD form: ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=...)`` with
+    parameters that are DTensors on ``mesh``, ``Replicate()`` on the data-parallel dims
+    ``dp_dims`` and their TP placement on the one other dim, ``tp_dim``."""
+
+    mesh: DeviceMesh
+    dp_dims: tuple[int, ...]
+    tp_dim: int
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh[self.mesh.mesh_dim_names[self.tp_dim]]
+
+
+def tp_shard_of(
+    fqn: str, param: torch.Tensor, mesh: ShardMesh, spmd: SPMDMesh | None = None
+) -> TPShard | None:
     """The TP record of a DTensor parameter (``None`` for a plain one), after checking that it
-    composes with data parallelism over ``mesh``."""
+    composes with data parallelism over ``mesh`` (and, in the SPMD form, lies on ``spmd``'s
+    full mesh)."""
+    if spmd is not None:
+        return _spmd_tp_shard_of(fqn, param, mesh, spmd)
     if not isinstance(param, DTensor):
         return None
     tp_mesh, placements = param.device_mesh, tuple(param.placements)
     where = f"parameter {fqn!r} is a DTensor with placements {placements} on a {tp_mesh}"
     if tp_mesh.ndim != 1:
         raise ValueError(
-            f"{where}: fully_shard composes with tensor-parallel DTensors on a 1-D TP mesh; "
-            "apply parallelize_module(module, mesh['tp'], plan) and pass the data-parallel "
-            "dims as fully_shard(..., mesh=mesh['dp_shard']) (DTensors on the full mesh, "
-            "torch's SPMD form, are not supported yet)"
+            f"{where}: without dp_mesh_dims fully_shard composes with tensor-parallel DTensors "
+            "on a 1-D TP mesh (parallelize_module(module, mesh['tp'], plan), then "
+            "fully_shard(..., mesh=mesh['dp_shard'])); for DTensors on the full mesh (torch's "
+            "SPMD form) pass fully_shard(..., mesh=<that mesh>, "
+            "dp_mesh_dims=DataParallelMeshDims(shard='dp_shard'))"
         )
-    placement = placements[0]
+    return _tp_record(where, param, tp_mesh, placements[0], mesh)
+
+
+def _spmd_tp_shard_of(fqn: str, param: torch.Tensor, mesh: ShardMesh, spmd: SPMDMesh) -> TPShard:
+    """The SPMD form: ``param`` must be a DTensor on the full mesh, ``Replicate()`` on every
+    data-parallel dim; its placement on the TP dim is then checked as a 1-D TP one."""
+    full, names = spmd.mesh, spmd.mesh.mesh_dim_names
+    fix = (
+        f"build it with distribute_tensor(t, mesh, placements) on the full mesh {names}, "
+        f"Replicate() on {tuple(names[i] for i in spmd.dp_dims)} and Shard(d) or Replicate() "
+        f"on {names[spmd.tp_dim]!r}"
+    )
+    if not isinstance(param, DTensor):
+        raise ValueError(
+            f"parameter {fqn!r} is a plain {type(param).__name__}, but with dp_mesh_dims every "
+            f"parameter must be a DTensor on the full mesh (as FSDP2 requires): {fix}"
+        )
+    placements = tuple(param.placements)
+    where = f"parameter {fqn!r} is a DTensor with placements {placements} on a {param.device_mesh}"
+    if param.device_mesh != full:
+        raise ValueError(
+            f"{where}, not on the mesh given to fully_shard ({full}); with dp_mesh_dims, {fix}"
+        )
+    for i in spmd.dp_dims:
+        if not isinstance(placements[i], Replicate):
+            raise ValueError(
+                f"{where}: with dp_mesh_dims it must be Replicate() on the data-parallel dim "
+                f"{names[i]!r}, not {placements[i]!r} (fully_shard shards it there); {fix}"
+            )
+    tp = _tp_record(where, param, spmd.tp_mesh, placements[spmd.tp_dim], mesh)
+    spmd_placements = list(placements)
+    spmd_placements[spmd.tp_dim] = tp.placement  # Shard(-1) normalised
+    return replace(tp, spmd_mesh=full, spmd_placements=tuple(spmd_placements))
+
+
+def _tp_record(
+    where: str,
+    param: DTensor,
+    tp_mesh: DeviceMesh,
+    placement: Placement,
+    mesh: ShardMesh,
+) -> TPShard:
+    """The TP record of ``param``, whose placement on the 1-D ``tp_mesh`` is ``placement``."""
     if isinstance(placement, _StridedShard) or not isinstance(placement, (Shard, Replicate)):
         raise ValueError(
             f"{where}: fully_shard composes with Shard(dim) and Replicate() TP placements only "
@@ -116,12 +189,36 @@ def local_grad(grad: torch.Tensor, mp: ManagedParam) -> torch.Tensor:
     TP reduction it needs (FSDP2 does the same). Data parallel is reduced by the caller."""
     if mp.tp is None or not isinstance(grad, DTensor):
         return grad
-    if tuple(grad.placements) != (mp.tp.placement,):
-        grad = grad.redistribute(placements=(mp.tp.placement,))
+    target = _grad_placements(tuple(grad.placements), mp.tp)
+    if tuple(grad.placements) != target:
+        grad = grad.redistribute(placements=target)
     local = grad.to_local()
     # a functional collective's result (the redistribute's): wait for it here, on the stream
     # that computed the gradient, before the flat buffer reads it
     return local.wait() if isinstance(local, AsyncCollectiveTensor) else local
+
+
+def _grad_placements(placements: tuple[Placement, ...], tp: TPShard) -> tuple[Placement, ...]:
+    """The placements a TP gradient is brought to: the parameter's on the TP dim. In the SPMD
+    form (a gradient on the full mesh) the data-parallel dims are kept as they come, as FSDP2
+    does: a ``Partial`` sum (or mean) over a dp-sharded batch, or ``Replicate()``, is reduced
+    by the group's own reduce-scatter, never by DTensor as well; any other dp placement is
+    replicated first, so that the local tensor is the TP block."""
+    if tp.spmd_mesh is None:
+        return (tp.placement,)
+    tp_dim = tp.spmd_mesh.mesh_dim_names.index(tp.mesh.mesh_dim_names[0])
+    return tuple(
+        tp.placement if i == tp_dim else have if _reducible(have) else Replicate()
+        for i, have in enumerate(placements)
+    )
+
+
+def _reducible(placement: Placement) -> bool:
+    """Whether the group's reduction (a mean, or a sum with a divide factor) is the right one
+    for a gradient with this placement on a data-parallel dim."""
+    return isinstance(placement, Replicate) or (
+        isinstance(placement, Partial) and placement.reduce_op in ("sum", "avg")
+    )
 
 
 def tp_block_notes(

@@ -6,7 +6,11 @@ rows), ``Shard(1)`` (a block of columns) or ``Replicate()``. ``fully_shard`` the
 rank's *local* tensor into units over the data-parallel ranks, so a unit never crosses a TP
 shard boundary. ``TPShard`` records where that local tensor sits in the global one (the TP
 mesh, placement, global shape and stride, the TP coordinate); ``TPRaggedShard`` is the
-``RaggedShard`` of the local tensor with its ``TPShard`` attached.
+``RaggedShard`` of the local tensor with its ``TPShard`` attached. In torch 2.13's SPMD form
+(``fully_shard(..., dp_mesh_dims=...)``) the parameter is a DTensor on the full mesh instead;
+the record then also keeps that mesh and the parameter's placements on it, so the module is
+handed the same full-mesh DTensor, while everything else (gathers, reductions, boxes) works on
+the TP dim alone, as for the 1-D form.
 
 The TP record lives *in the spec* on purpose: optimizers build their sharded state as
 ``RaggedTensor(local, param.ragged_shard, ...)``, so state tensors made from a TP parameter's
@@ -45,6 +49,11 @@ class TPShard:
         global_shape: the DTensor's global shape.
         global_stride: the DTensor's global stride (TP's hooks compare it).
         rank: this process's coordinate on ``mesh``.
+        spmd_mesh: torch 2.13's SPMD form (``fully_shard(..., dp_mesh_dims=...)``): the full
+            mesh the parameter is a DTensor on, ``mesh`` being its TP dim; ``None`` when the
+            parameter is a DTensor on the 1-D TP mesh itself.
+        spmd_placements: the parameter's placements on ``spmd_mesh`` (``Replicate()`` on every
+            data-parallel dim, ``placement`` on the TP dim), as the module is handed it.
     """
 
     mesh: DeviceMesh
@@ -52,6 +61,8 @@ class TPShard:
     global_shape: tuple[int, ...]
     global_stride: tuple[int, ...]
     rank: int
+    spmd_mesh: DeviceMesh | None = None
+    spmd_placements: tuple[Placement, ...] | None = None
 
     def __deepcopy__(self, memo: dict) -> TPShard:
         # Immutable, and a DeviceMesh holds process groups, which cannot be copied: DCP's
@@ -118,11 +129,19 @@ class TPShard:
 
     def dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's block) as the DTensor TP's hooks expect: same mesh, placement,
-        global shape and stride. No communication; shares ``local``'s storage."""
+        global shape and stride (in the SPMD form: on the full mesh, with the parameter's
+        placements there). No communication; shares ``local``'s storage."""
+        if self.spmd_mesh is not None:
+            return self._from_local(local, self.spmd_mesh, self.spmd_placements)
+        return self._from_local(local, self.mesh, (self.placement,))
+
+    def _from_local(
+        self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
+    ) -> DTensor:
         return DTensor.from_local(
             local,
-            self.mesh,
-            (self.placement,),
+            mesh,
+            placements,
             run_check=False,
             shape=torch.Size(self.global_shape),
             stride=self.global_stride,
@@ -131,7 +150,9 @@ class TPShard:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The global tensor from this rank's block (one collective over the TP group when
         sharded, none when replicated)."""
-        return local if self.dim is None else self.dtensor(local).full_tensor()
+        if self.dim is None:
+            return local
+        return self._from_local(local, self.mesh, (self.placement,)).full_tensor()
 
 
 @dataclass(frozen=True, repr=False)
