@@ -79,7 +79,7 @@ def muon_setup(world: int) -> None:
     opt = Muon(_params(world))
     pieces = [opt._pieces[p] for p in opt.param_groups[0]["params"]]
     plan = muon_module._plan(pieces, 5)
-    plan.exchange.assemble_index(torch.device("cpu"))
+    plan.exchange.assemble(torch.empty(sum(plan.exchange.recv_splits)))
 
 
 def adamw8bit_setup(world: int) -> None:
@@ -113,7 +113,8 @@ def shampoo_exchange(world: int) -> None:
                 jobs.append(job)
                 owners.append(slab_owners[i])
     rank = params[0][1].rank
-    ExchangePlan(jobs, owners, rank, world).assemble_index(torch.device("cpu"))
+    plan = ExchangePlan(jobs, owners, rank, world)
+    plan.assemble(torch.empty(sum(plan.recv_splits)))
 
 
 CASES: dict[str, Callable[[int], None]] = {

@@ -5,12 +5,18 @@ The model is the recipe's dense ``Transformer`` built by the recipe itself
 torchtitan's TP plan from ``recipes/llama/tensor_parallel.py``, then the block wrapped; the
 embedding alone, ``[norm, output]`` kept unsharded after forward, the root) on a ``(dp_shard,
 tp)`` mesh, once with ``--fsdp raggedfsdp`` and once with ``--fsdp fsdp2``; both step
-``torch.optim.AdamW`` (element-wise, the same math on TP pieces and on DTensors). Every rank
-builds both and alternates them (A B A B, the order rotating each round) over the same batches:
-each data-parallel rank its own, shared by its TP ranks. Reported per system and as ratios ours
-/ FSDP2 (lower is better):
+``torch.optim.AdamW`` (element-wise, the same math on TP pieces and on DTensors), or with
+``--optimizer muon`` (``tp_muon.py``): ours ``raggedfsdp.optim.Muon`` on ``split_muon_params``'
+groups (with ``Muon.shard_policy()``), FSDP2's ``torch.optim.Muon`` on the hidden matrices'
+DTensors + ``torch.optim.AdamW`` on the rest, and a third system, ``gather``: the FSDP2 x TP
+model with every NS input gathered whole on every rank (``tp_muon.GatherMuon``,
+benchmarks/muon_step.py's "gather everything"). Every rank builds them all and alternates them
+(A B A B, the order rotating each round) over the same batches: each data-parallel rank its
+own, shared by its TP ranks. Reported per system and as ratios ours / FSDP2 (and ours /
+gather; lower is better):
 
-* ``step``: a training step (forward, backward, optimizer step), median;
+* ``step``: a training step (forward, backward, optimizer step), median; ``optim``: the
+  optimizer step alone (timed from a barrier after backward), median;
 * ``all_gather`` / ``reduce_scatter``: calls and bytes of one step over data parallel, counted
   at the runtimes' collective calls (``measure.CollectiveBytes``: gathered buffer / unreduced
   input). TP's own collectives (DTensor's functional ones, the same plan under both) are not
@@ -21,11 +27,18 @@ each data-parallel rank its own, shared by its TP ranks. Reported per system and
 * ``transient``: peak resident memory above the post-warm-up level during a step (ranks started
   with ``MALLOC_*`` set, ``VmHWM`` reset before the step: ``measure.py``), median; memory
   figures are the maximum over ranks;
-* final losses and their difference.
+* final losses and their difference;
+* with ``--optimizer muon``: ``optimizer_bytes``, the bytes every rank sent in the optimizer
+  step, summed over ranks (ours: ``last_step_stats["bytes_sent"]`` of the owner exchange;
+  torch's: DTensor's functional collectives, ``tp_muon.DTensorCollectives``), and ``check``:
+  each system stepped twice from the same weights with the same global gradients on a
+  one-block copy, its update against one process's ``torch.optim.Muon`` + ``AdamW`` on the
+  unsharded tensors (``bitwise``, worst relative error) and against fp64 Newton–Schulz
+  (``tp_muon.same_gradient_check``).
 
     python benchmarks/tp_vs_fsdp2.py [--world-size 4] [--tp 2] [--steps 8] [--dim 256]
         [--layers 4] [--heads 8] [--kv-heads 4] [--vocab 4096] [--batch 4] [--seq 128]
-        [--mixed-precision]
+        [--mixed-precision] [--optimizer {adamw,muon}]
 """
 
 from __future__ import annotations
@@ -48,6 +61,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the recipe, for a script run from benchmarks/
     sys.path.insert(0, str(REPO))
 from moe_vs_fsdp2 import ratios, tensor_bytes  # noqa: E402
+from tp_muon import DTensorCollectives, owner_bytes, same_gradient_check  # noqa: E402
+from tp_muon import optimizer as muon_optimizer  # noqa: E402
 
 from recipes.llama.config import Config, ConfigError  # noqa: E402
 from recipes.llama.model import Transformer  # noqa: E402
@@ -55,8 +70,14 @@ from recipes.llama.model_config import ModelConfig  # noqa: E402
 from recipes.llama.parallel import build_model, check_world, make_env  # noqa: E402
 from recipes.llama.train import loss_fn  # noqa: E402
 
-SYSTEMS = {"ours": "raggedfsdp", "fsdp2": "fsdp2"}
+SYSTEMS = {"ours": "raggedfsdp", "fsdp2": "fsdp2", "gather": "fsdp2"}  # gather: Muon only
 ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+LABELS = {"ours": "raggedfsdp", "fsdp2": "FSDP2", "gather": "FSDP2+gather"}
+
+
+def systems(args: argparse.Namespace) -> list[str]:
+    """The systems compared: ours and FSDP2, and with Muon FSDP2's gather-everything too."""
+    return ["ours", "fsdp2", "gather"] if args.optimizer == "muon" else ["ours", "fsdp2"]
 
 
 def config(args: argparse.Namespace, fsdp: str = "raggedfsdp") -> Config:
@@ -75,21 +96,33 @@ def config(args: argparse.Namespace, fsdp: str = "raggedfsdp") -> Config:
 
 
 def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The recipe's model on ``system`` x TP at (world / tp, tp), with torch's AdamW."""
+    """The recipe's model on ``system`` x TP at (world / tp, tp), with torch's AdamW or, with
+    ``--optimizer muon``, the system's Muon (ours planned with ``Muon.shard_policy()``, as the
+    recipe's ``--optimizer muon`` does)."""
+    from raggedfsdp.optim import Muon
+
     env = make_env(torch.device("cpu"), dist.get_rank(), tp=args.tp)
-    model = build_model(config(args, SYSTEMS[system]), env, policy=None)
+    muon = args.optimizer == "muon"
+    policy = Muon.shard_policy() if muon and system == "ours" else None
+    model = build_model(config(args, SYSTEMS[system]), env, policy=policy)
+    if muon:
+        return model, muon_optimizer(system, model)
     return model, torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
 def _step(tokens: torch.Tensor):
-    """One training step of a (model, optimizer) pair; returns the loss."""
+    """One training step of a (model, optimizer) pair; returns the loss and the optimizer
+    step's seconds (from a barrier after backward, so that it waits for no peer's backward)."""
 
-    def step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
         loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+        dist.barrier()
+        t0 = time.perf_counter()
         opt.step()
+        elapsed = time.perf_counter() - t0
         opt.zero_grad()
-        return loss.item()
+        return loss.item(), elapsed
 
     return step
 
@@ -98,7 +131,7 @@ def _warm_up(args: argparse.Namespace, step) -> None:
     """Both systems on a one-block copy, then dropped: the one-off costs (kernels, autograd and
     gloo threads, the allocator's arenas, the TP groups) are not charged to the first one."""
     small = argparse.Namespace(**{**vars(args), "layers": 1})
-    for name in SYSTEMS:
+    for name in systems(args):
         model, opt = build(name, small)
         for _ in range(2):
             step(model, opt)
@@ -107,12 +140,30 @@ def _warm_up(args: argparse.Namespace, step) -> None:
 
 
 def _counted_step(model: nn.Module, opt: torch.optim.Optimizer, step) -> dict[str, Any]:
-    """One step with its data-parallel collectives counted: calls, MiB, the loss."""
-    counter = CollectiveBytes()
-    with counter.counting():
-        loss = step(model, opt)
+    """One step with its data-parallel collectives counted: calls, MiB, the loss; and the
+    bytes this rank sent in the optimizer step (ours: Muon's owner exchange; torch's
+    optimizers: DTensor's collectives) with their calls."""
+    counter, in_optimizer = CollectiveBytes(), DTensorCollectives()
+    original = opt.step
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        with in_optimizer:
+            return original(*args, **kwargs)
+
+    opt.step = counted  # type: ignore[method-assign]
+    try:
+        with counter.counting():
+            loss = step(model, opt)[0]
+    finally:
+        del opt.step  # the class's again
     bytes_mib = {kind: n / 2**20 for kind, n in counter.bytes.items()}
-    return {"loss": loss, "calls": dict(counter.calls), "bytes": bytes_mib}
+    entry = {"loss": loss, "calls": dict(counter.calls), "bytes": bytes_mib}
+    entry["optimizer_bytes"] = owner_bytes(opt) + sum(in_optimizer.bytes.values())
+    entry["optimizer_collectives"] = dict(in_optimizer.calls)
+    stats = getattr(opt, "last_step_stats", {})
+    if "matrices" in stats:  # ours: matrices computed where they lie (over all ranks)
+        entry["matrices"] = {k: stats[k] for k in ("matrices", "matrices_local")}
+    return entry
 
 
 def _static_resident(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
@@ -130,14 +181,17 @@ def _static_resident(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
 def _rounds(systems: dict[str, dict[str, Any]], steps: int, step) -> dict[str, dict[str, float]]:
     """``steps`` alternating rounds, the order rotating: medians of step time and transient."""
     names = list(systems)
-    rounds: dict[str, dict[str, list[float]]] = {n: {"step": [], "transient": []} for n in names}
+    keys = ("step", "optim", "transient")
+    rounds: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in names}
     for i in range(steps):
         for name in names[i % len(names) :] + names[: i % len(names)]:
             model, opt = systems[name]["model"], systems[name]["opt"]
             dist.barrier()
             t0 = time.perf_counter()
-            mem = peak_above_now(lambda m=model, o=opt: step(m, o))
+            out: dict[str, tuple[float, float]] = {}
+            mem = peak_above_now(lambda m=model, o=opt, r=out: r.update(r=step(m, o)))
             rounds[name]["step"].append(time.perf_counter() - t0)
+            rounds[name]["optim"].append(out["r"][1])
             rounds[name]["transient"].append(mem)
         del model, opt  # no reference left here: deleting a system below must free it
     return {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rounds.items()}
@@ -149,42 +203,55 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     gen = torch.Generator().manual_seed(dp_rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     step = _step(tokens)
+    check = None
+    if args.optimizer == "muon":  # same gradients, one block: before anything is timed
+        small = argparse.Namespace(**{**vars(args), "layers": 1})
+        check = same_gradient_check(lambda name: build(name, small), systems(args))
     _warm_up(args, step)
-    systems: dict[str, dict[str, Any]] = {}
-    for name in SYSTEMS:
+    built: dict[str, dict[str, Any]] = {}
+    for name in systems(args):
         model, opt = build(name, args)
         for _ in range(2):  # optimizer state, gloo connections
             step(model, opt)
-        systems[name] = {"model": model, "opt": opt}
-        systems[name]["static_tensors"] = tensor_bytes(model, opt) / 2**20
+        built[name] = {"model": model, "opt": opt}
+        built[name]["static_tensors"] = tensor_bytes(model, opt) / 2**20
         del model, opt
-    report = _rounds(systems, args.steps, step)
-    for name, system in systems.items():
+    report: dict[str, Any] = _rounds(built, args.steps, step)
+    for name, system in built.items():
         report[name] |= _counted_step(system["model"], system["opt"], step)
         report[name]["static_tensors"] = system["static_tensors"]
-    for name, static in _static_resident(systems).items():
+    for name, static in _static_resident(built).items():
         report[name]["static"] = static
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, report)
-    if rank == 0:  # memory: the rank that holds most
-        for name in SYSTEMS:
+    if rank == 0:  # memory: the rank that holds most; optimizer bytes: all ranks together
+        for name in systems(args):
             for key in ("static", "static_tensors", "transient"):
                 report[name][key] = max(r[name][key] for r in everyone)
+            report[name]["optimizer_bytes"] = sum(r[name]["optimizer_bytes"] for r in everyone)
+        if check is not None:
+            report["check"] = check
         out.put(report)
     dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
     dist.destroy_process_group()
 
 
 def print_table(result: dict[str, Any]) -> None:
-    ours, peer, a = result["ours"], result["fsdp2"], result["args"]
+    a = result["args"]
+    names = [n for n in SYSTEMS if n in result]
+    muon = a["optimizer"] == "muon"
     print(
         f"\ndp {a['world_size'] // a['tp']} x tp {a['tp']}, {result['params'] / 1e6:.1f}M "
-        f"parameters, {'bf16/fp32' if a['mixed_precision'] else 'fp32'}, torch AdamW, "
-        f"medians of {a['steps']} rounds"
+        f"parameters, {'bf16/fp32' if a['mixed_precision'] else 'fp32'}, "
+        f"{'Muon (+ AdamW)' if muon else 'torch AdamW'}, medians of {a['steps']} rounds"
     )
-    print(f"{'':30s}{'raggedfsdp':>12s}{'FSDP2':>12s}{'ratio':>8s}")
+    heads = "".join(f"{LABELS[n]:>14s}" for n in names)
+    ratio_heads = "".join(f"{'/' + LABELS[n]:>14s}" for n in names[1:])
+    print(f"{'':30s}{heads}{ratio_heads}")
     rows = [
         ("training step (ms)", lambda r: 1e3 * r["step"]),
+        ("optimizer step (ms)", lambda r: 1e3 * r["optim"]),
+        ("optimizer MiB sent / step", lambda r: r["optimizer_bytes"] / 2**20),
         ("all-gather MiB / step", lambda r: r["bytes"].get("all_gather", 0.0)),
         ("all-gathers / step", lambda r: r["calls"].get("all_gather", 0)),
         ("reduce-scatter MiB / step", lambda r: r["bytes"].get("reduce_scatter", 0.0)),
@@ -194,13 +261,29 @@ def print_table(result: dict[str, Any]) -> None:
         ("transient peak (MiB)", lambda r: r["transient"]),
     ]
     for label, get in rows:
-        mine, theirs = get(ours), get(peer)
-        ratio = f"{mine / theirs:8.2f}" if theirs else f"{'':8s}"
-        print(f"{label:30s}{mine:12.2f}{theirs:12.2f}{ratio}")
-    print(
-        f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f} "
-        f"(difference {result['loss_diff']:.2e})"
-    )
+        values = [get(result[n]) for n in names]
+        ratio = "".join(f"{values[0] / v:14.2f}" if v else f"{'':14s}" for v in values[1:])
+        print(f"{label:30s}{''.join(f'{v:14.2f}' for v in values)}{ratio}")
+    losses = ", ".join(f"{LABELS[n]} {result[n]['loss']:.6f}" for n in names)
+    print(f"final loss: {losses} (raggedfsdp - FSDP2 {result['loss_diff']:.2e})")
+    if "matrices" in result["ours"]:
+        m = result["ours"]["matrices"]
+        print(f"Muon matrices (ours): {m['matrices']}, {m['matrices_local']} whole on one rank")
+    if "check" in result:
+        check = result["check"]
+        print(
+            "same gradients, one block, 2 steps, vs one process's torch Muon + AdamW "
+            f"(its bf16 NS vs fp64 NS: {check['bf16_vs_fp64']:.2e}):"
+        )
+        for n in names:
+            c = check[n]
+            if c["error"]:
+                print(f"  {LABELS[n]}: failed: {c['error']}")
+                continue
+            print(
+                f"  {LABELS[n]}: bitwise {c['bitwise']}, matrices {c['matrix_error']:.2e}, "
+                f"rest {c['rest_error']:.2e} (vs fp64 NS {c['vs_fp64']:.2e})"
+            )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,6 +299,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    parser.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: ours raggedfsdp.optim.Muon, FSDP2's torch.optim.Muon on DTensors and "
+        "gathered (hidden matrices; AdamW for the rest)",
+    )
     args = parser.parse_args(argv)
     if args.tp < 2:
         parser.error(f"--tp {args.tp}: compare tensor parallelism at --tp 2 or more")
@@ -232,8 +322,14 @@ def main() -> None:
     report = spawn_ranks(_worker, args, args.world_size)
     params = sum(p.numel() for p in Transformer(config(args).model, args.seq).parameters())
     result = {"benchmark": "tp_vs_fsdp2", "args": vars(args), "params": params, **report}
-    result["ratio"] = ratios(report["ours"], report["fsdp2"])
-    result["loss_diff"] = abs(report["ours"]["loss"] - report["fsdp2"]["loss"])
+    ours = report["ours"]
+    for peer, suffix in (("fsdp2", ""), ("gather", "_gather")):
+        if peer in report:
+            ratio = ratios(ours, report[peer])
+            if report[peer]["optimizer_bytes"]:
+                ratio["optimizer_bytes"] = ours["optimizer_bytes"] / report[peer]["optimizer_bytes"]
+            result[f"ratio{suffix}"] = ratio
+            result[f"loss_diff{suffix}"] = abs(ours["loss"] - report[peer]["loss"])
     print(json.dumps(result))
     print_table(result)
 

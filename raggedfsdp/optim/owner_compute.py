@@ -30,7 +30,7 @@ class ExchangePlan:
     Forward (pieces → owners): this rank sends, to each owner in rank order, its pieces of that
     owner's jobs in job order; an owner receives from each source in rank order. Because ranks
     hold consecutive ranges in rank order, the owner reassembles a job by concatenating the
-    sources' pieces: ``assemble`` does all of that with one index gather. Backward (results →
+    sources' pieces: ``assemble`` does all of that with one concatenation. Backward (results →
     holders) is the same exchange with the splits swapped.
     """
 
@@ -68,7 +68,6 @@ class ExchangePlan:
         held.sort(key=lambda item: self.owners[item[0]])  # by owner, then job (stable)
         self.send_order = [j for j, _ in held]
         self._send_sizes = [n for _, n in held]
-        self._assemble_index: torch.Tensor | None = None
 
     @cached_property
     def elements_sent(self) -> int:
@@ -79,27 +78,38 @@ class ExchangePlan:
     def elements_received(self) -> int:
         return sum(self.recv_splits) - self.recv_splits[self.rank]
 
-    def assemble_index(self, device: torch.device) -> torch.Tensor:
-        """Positions in the receive buffer of the owned jobs' elements, job after job: the
-        receive buffer lists, per source, that source's pieces of the owned jobs. Built from
-        the owned jobs' pieces alone (sorted by source), with no loop over ranks."""
-        if self._assemble_index is None or self._assemble_index.device != device:
-            pieces = [
-                (r, k, n)
-                for k, j in enumerate(self.owned_jobs)
-                for r, n in self.jobs[j].pieces
-                if n
-            ]
-            received_at, cursor = {}, 0
-            for r, k, n in sorted(pieces):  # the receive order: by source, then job
-                received_at[(r, k)] = cursor
-                cursor += n
-            sizes = torch.tensor([n for _, _, n in pieces], dtype=torch.long)
-            starts = torch.tensor([received_at[(r, k)] for r, k, _ in pieces], dtype=torch.long)
-            out_starts = torch.cumsum(sizes, 0) - sizes
-            shift = torch.repeat_interleave(starts - out_starts, sizes)
-            self._assemble_index = (torch.arange(cursor) + shift).to(device)
-        return self._assemble_index
+    @cached_property
+    def _runs(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Where the owned jobs' pieces lie: ``(start in the receive buffer, length)`` in job
+        order (how ``assemble`` reads them), and ``(start in the assembled jobs, length)`` in
+        receive order (how ``to_holders`` writes them back). The receive buffer lists, per
+        source, that source's pieces of the owned jobs. Kept as runs, one pair per piece, not
+        as an index per element (8 bytes each, for the optimizer's lifetime)."""
+        pieces = [
+            (r, k, n) for k, j in enumerate(self.owned_jobs) for r, n in self.jobs[j].pieces if n
+        ]
+        assembled_at, cursor = [], 0
+        for _, _, n in pieces:  # the assembled order: job after job, pieces in job order
+            assembled_at.append(cursor)
+            cursor += n
+        received_at, cursor = {}, 0
+        in_receive_order = sorted(range(len(pieces)), key=lambda i: pieces[i][:2])
+        for i in in_receive_order:  # the receive order: by source, then job
+            received_at[i] = cursor
+            cursor += pieces[i][2]
+        reads = [(received_at[i], n) for i, (_, _, n) in enumerate(pieces)]
+        writes = [(assembled_at[i], pieces[i][2]) for i in in_receive_order]
+        return reads, writes
+
+    def assemble(self, recv: torch.Tensor) -> torch.Tensor:
+        """The owned jobs' whole flat matrices, job after job, from the receive buffer."""
+        reads, _ = self._runs
+        return torch.cat([recv.narrow(0, start, n) for start, n in reads]) if reads else recv
+
+    def _disassemble(self, whole: torch.Tensor) -> torch.Tensor:
+        """``assemble`` backwards: the owned jobs' results in receive order, to send back."""
+        _, writes = self._runs
+        return torch.cat([whole.narrow(0, start, n) for start, n in writes]) if writes else whole
 
     def to_owners(
         self, pieces_of: Callable[[int], torch.Tensor], like: torch.Tensor, group
@@ -125,7 +135,7 @@ class ExchangePlan:
         def finish() -> tuple[torch.Tensor, list[torch.Tensor]]:
             with self._failing_as("all-to-all of matrix pieces to their owners"):
                 handle.wait()
-            whole = recv[self.assemble_index(recv.device)] if recv.numel() else recv
+            whole = self.assemble(recv) if recv.numel() else recv
             return whole, self._split(whole)
 
         return finish
@@ -133,9 +143,7 @@ class ExchangePlan:
     def to_holders(self, whole: torch.Tensor, group) -> dict[int, torch.Tensor]:
         """Send the owned jobs' results (``whole``, as returned by ``to_owners`` and updated in
         place) back; returns this rank's piece of every moved job it holds, keyed by job."""
-        send = whole.new_empty(whole.numel())
-        if whole.numel():
-            send[self.assemble_index(whole.device)] = whole
+        send = self._disassemble(whole) if whole.numel() else whole
         recv = whole.new_empty(sum(self.send_splits))
         with self._failing_as("all-to-all of owner results back to the holders"):
             all_to_all_uneven(recv, send, self.send_splits, self.recv_splits, group)

@@ -1,5 +1,6 @@
-"""The TP benchmark against FSDP2 x TP at a toy size (dp 2 x tp 2, one round): BENCHMARKS.md's
-TP figures come from it, so it must keep running; the collectives it counts and the losses are
+"""The TP benchmark against FSDP2 x TP at a toy size (dp 2 x tp 2, one round), with AdamW and
+with Muon (three systems and the same-gradient check): BENCHMARKS.md's TP figures come from it,
+so it must keep running; the collectives and bytes it counts, the checks and the losses are
 checked, not speed."""
 
 from __future__ import annotations
@@ -38,6 +39,41 @@ def test_tp_vs_fsdp2_counts_collectives_and_matches_losses():
     assert {"step", "transient", "static_tensors"} <= set(result["ratio"])  # static: ~0 here
     table = run.stdout.split("\n\n", 1)[1]
     for row in ("training step", "all-gather MiB", "reduce-scatter MiB", "transient peak"):
+        assert row in table, table
+
+
+@pytest.mark.slow  # ~80 s: 4 ranks build three systems twice, and a one-block copy of each
+def test_tp_vs_fsdp2_muon_runs_all_three_and_checks_them():
+    run = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "tp_vs_fsdp2.py"), *TOY, "--optimizer", "muon"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
+    ours, peer, gather = result["ours"], result["fsdp2"], result["gather"]
+    for system in (ours, peer, gather):  # the runtimes' collectives do not change with Muon
+        assert system["calls"] == {"all_gather": 2 * 2 + 2, "reduce_scatter": 2 + 2}, system
+        assert system["optimizer_bytes"] > 0, system
+    # ours: every matrix is TP-split, so each travels to its owner (one exchange, no per-rank
+    # full copies): fewer bytes than gathering every matrix on every rank
+    assert ours["matrices"] == {"matrices": 2 * 7, "matrices_local": 0}, ours
+    assert ours["optimizer_bytes"] < gather["optimizer_bytes"], result
+    assert peer["optimizer_collectives"] and not ours["optimizer_collectives"], result
+    # the same gradients: ours and gather-everything are one process's torch Muon + AdamW
+    # bitwise; torch's Muon on FSDP2 x TP DTensors runs, within bf16 rounding of it (its
+    # sharded NS matmuls round their partial sums in bf16: not bitwise)
+    check = result["check"]
+    assert check["ours"]["bitwise"] and check["gather"]["bitwise"], check
+    assert check["fsdp2"]["error"] is None and check["fsdp2"]["rest_error"] == 0.0, check
+    assert check["fsdp2"]["vs_fp64"] < 3 * check["bf16_vs_fp64"], check
+    # end to end: ours and gather the same losses; FSDP2's DTensor Muon within bf16 NS noise
+    assert result["loss_diff_gather"] < 1e-6, result
+    assert result["loss_diff"] < 1e-3, result
+    assert {"step", "optim", "transient", "optimizer_bytes"} <= set(result["ratio"]), result
+    table = run.stdout.split("\n\n", 1)[1]
+    for row in ("optimizer step (ms)", "optimizer MiB sent", "same gradients", "FSDP2+gather"):
         assert row in table, table
 
 

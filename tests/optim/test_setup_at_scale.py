@@ -75,7 +75,7 @@ def _linear_work(lines_per_rank: float, what: str) -> Iterator[None]:
 
 def _exchange(jobs: list[Job], owners: list[int]) -> ExchangePlan:
     plan = ExchangePlan(jobs, owners, RANK, W)
-    index = plan.assemble_index(torch.device("cpu"))
+    index = plan.assemble(torch.arange(sum(plan.recv_splits)))  # where each element comes from
     assert sorted(index.tolist()) == list(range(sum(plan.recv_splits)))
     return plan
 
@@ -141,8 +141,8 @@ def test_unit_alignment_check_is_free_when_the_policy_was_followed():
 
 # ----------------------------------------------------------------------------- exchange plan
 def _scan_plan(jobs: list[Job], owners: list[int], rank: int, world: int) -> tuple[list, list]:
-    """``send_order`` and ``assemble_index`` stated the slow, obvious way (a scan over every
-    rank for every job): the oracle for the one-pass plan."""
+    """``send_order`` and where ``assemble`` takes each element from, stated the slow, obvious
+    way (a scan over every rank for every job): the oracle for the one-pass plan."""
     moved = [j for j, (job, o) in enumerate(zip(jobs, owners, strict=True)) if job.sole_holder != o]
     send_order = [
         j for o in range(world) for j in moved if owners[j] == o and jobs[j].held_by(rank)
@@ -175,4 +175,4 @@ def test_exchange_plan_equals_the_scan_over_ranks(seed):
         plan = ExchangePlan(jobs, owners, rank, world)
         send_order, index = _scan_plan(jobs, owners, rank, world)
         assert plan.send_order == send_order
-        assert plan.assemble_index(torch.device("cpu")).tolist() == index
+        assert plan.assemble(torch.arange(sum(plan.recv_splits))).tolist() == index
