@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import DataParallelMeshDims
+from torch.distributed.fsdp import CPUOffloadPolicy, DataParallelMeshDims, OffloadPolicy
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -33,6 +33,7 @@ from raggedfsdp.comm.mesh import dp_submesh
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup, is_plain_embedding_weight
+from raggedfsdp.fsdp.placement import placement_policy
 from raggedfsdp.fsdp.state import STATE_ATTR, FSDPState, state_of
 from raggedfsdp.fsdp.step_guard import install_step_guard, mark_replaced
 from raggedfsdp.fsdp.tensor_parallel import SPMDMesh, tp_shard_of
@@ -267,61 +268,54 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     shard_policy: ShardPolicy | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters (those not taken by an earlier call) as one group.
 
     Args:
-        module: the module to wrap; its class gains ``FSDPModule``'s methods. A list of modules
-            (e.g. torchtitan's ``[model.norm, model.output]``) forms one group: gathered before
-            the first of them runs its forward, resharded after the last; its parameters are
-            named ``"<index in the list>.<name>"`` in the plan.
+        module: the module to wrap; its class gains ``FSDPModule``'s methods. A list (e.g.
+            ``[model.norm, model.output]``) forms one group, gathered before the first runs.
         mesh: 1-D ``DeviceMesh`` or process group (FSDP), 2-D ``DeviceMesh`` (HSDP: dim 0
-            replicates, dim 1 shards), or ``None`` for the default group (a single process when
-            torch.distributed is not initialised). Under tensor parallelism, the data-parallel
-            dims only (``mesh["dp_shard"]``, ``mesh["dp_replicate", "dp_shard"]``): parameters
-            that ``parallelize_module`` made DTensors on the TP dim are sharded by their
-            TP-local tensors (docs/tensor_parallel.md).
+            replicates), ``None`` for the default group. Under tensor parallelism the
+            data-parallel dims only (``mesh["dp_shard"]``; docs/tensor_parallel.md).
         reshard_after_forward: ``True`` frees the unsharded parameters after forward and gathers
-            them again for backward (ZeRO-3); ``False`` keeps them until backward ends
-            (ZeRO-2-like memory for this group, one all-gather fewer); ``None`` (default):
-            ``True``, except on the root, which keeps its parameters from forward to its
-            backward, as FSDP2's does: that backward (the head's) comes first, so freeing them
-            would cost a second all-gather of them per step, exposed. Its embedding weights,
-            which backward does not read, are freed after forward all the same. ``True`` on
-            the root frees the rest too (their bytes less through the loss's backward, one
-            all-gather more per step). An int ``k`` (dividing the shard size ``W``, e.g. the
-            GPUs of one node) keeps this rank's ``1/k`` of the gathered buffer after forward, so
-            backward gathers over ``k`` consecutive shard ranks only (FSDP2's meaning): ``W/k``
-            times the sharded memory held from forward to backward, for an all-gather that stays
-            inside a node. ``1`` means ``False``, ``W`` means ``True``.
+            them again for backward (ZeRO-3); ``False`` keeps them until backward ends;
+            ``None`` (default): ``True``, except on the root, which keeps its parameters from
+            forward to its backward (the first to come) as FSDP2's does, its embedding weights
+            freed all the same. An int ``k`` dividing the shard size keeps this rank's ``1/k``
+            of the gathered buffer, so backward gathers over ``k`` consecutive ranks only
+            (FSDP2's meaning; docs/fsdp.md).
         mp_policy: mixed precision (see ``MixedPrecisionPolicy``).
         shard_policy: ``(fqn, param) -> unit in elements``; default ``DEFAULT_POLICY``:
-            element units, which pad least (larger units that cover whole segments force the
-            segment size to a multiple of their LCM), except that fused expert tensors
-            (``(E, m, n)`` or under ``experts.``) keep each expert matrix, or ``k`` rows of it
-            when ``E < W``, whole on a rank wherever the group's padding stays within element
-            units' plus 0.1 % of its elements (``ExpertShardPolicy(max_extra_padding=...)``;
-            the group's ``notes`` say which). Pass an optimizer's policy, e.g.
-            ``combine(DEFAULT_POLICY, AdamW8bit.shard_policy())``, so its blocks are never cut.
+            element units, which pad least, but fused experts whole within a 0.1 % padding
+            budget (the group's ``notes`` say which). Pass an optimizer's policy, e.g.
+            ``combine(DEFAULT_POLICY, AdamW8bit.shard_policy())``, so its blocks are never cut;
+            ``strict(policy)`` refuses blocks another split would cut.
         dp_mesh_dims: torch 2.13's SPMD form (``torch.distributed.fsdp.DataParallelMeshDims``):
-            ``mesh`` is then the full mesh (e.g. ``("dp_shard", "tp")``), every parameter a
-            DTensor on it with ``Replicate()`` on the data-parallel dims and ``Shard(d)`` or
-            ``Replicate()`` on the one other (TP) dim; ``shard`` (and, for HSDP, ``replicate``)
-            names the data-parallel dims (several names are flattened into one, as FSDP2
-            does). The module is handed its parameters as such DTensors before forward; the
-            gradients' dp partial sums are reduced as FSDP2 does (docs/tensor_parallel.md).
+            ``mesh`` is the full mesh, the parameters DTensors on it, ``Replicate()`` on the
+            named data-parallel dims and ``Shard(d)`` / ``Replicate()`` on the TP dim
+            (docs/tensor_parallel.md).
+        offload_policy: FSDP2's ``CPUOffloadPolicy(pin_memory=...)``: sharded parameters,
+            gradients and optimizer state in CPU memory, copied to the device for each gather
+            (docs/fsdp.md); ``None`` or ``OffloadPolicy()``: no offload.
+        shard_placement_fn: FSDP2's ``param -> Shard(d) | ShardPlacementResult | None``, as
+            units combined (LCM) with ``shard_policy``: ``Shard(0)`` or ``None`` keeps each
+            dim-0 slice whole on a rank, ``Shard(d)`` each index of dim ``d`` (FSDP2's strided
+            dim-``d`` blocks do not fit a contiguous run; the group's ``notes`` say so). Another
+            mesh, and placements that are not ``Shard``, are refused (raggedfsdp.fsdp.placement).
 
-    Parameters must be initialised identically on every rank (same seed), or afterwards: on
-    the meta device, then ``to_empty(device=...)`` and ``nn.init`` on the sharded parameters
-    (same seed on every rank), or loaded from a checkpoint. Each rank keeps its pieces of its
-    own copy.
+    Parameters must be initialised identically on every rank (same seed), or afterwards
+    (meta device, ``to_empty``, ``nn.init``), or loaded from a checkpoint.
     """
     modules = _as_module_list(module)
     shard_mesh, spmd = _resolve_dp_mesh(mesh, dp_mesh_dims, reshard_after_forward)
     reshard_after_forward = _check_reshard_after_forward(reshard_after_forward, shard_mesh)
     _check_policies(mp_policy, shard_policy)
+    offload = _check_offload(offload_policy, modules)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     params = _collect_params(modules, shard_mesh, spmd)
+    shard_policy = placement_policy(shard_placement_fn, params, shard_policy, shard_mesh)
     owner = " + ".join(type(m).__name__ for m in modules)
     if params:
         _check_mesh_device(shard_mesh, params[0].original, params[0].fqn)
@@ -335,6 +329,7 @@ def fully_shard(
             shard_policy or DEFAULT_POLICY,
             comm_streams=lambda: state.ctx.comm_streams() if state.ctx else (None, None),
             name=owner,
+            offload=offload,
         )
 
     group, forward_only = _form_groups(params, owner, build)
@@ -393,6 +388,34 @@ def _check_policies(mp_policy: Any, shard_policy: Any) -> None:
             "unit in elements or None, e.g. raggedfsdp.sharding.row_units(32) or an "
             "optimizer's shard_policy()"
         )
+
+
+def _check_offload(offload_policy: Any, modules: list[nn.Module]) -> CPUOffloadPolicy | None:
+    """FSDP2's policy types only, and one policy for a whole model: a module wrapped before
+    (a block) must have been wrapped with the same offload as the call above it, else its
+    sharded parameters and gradients would live on another device than its parent's."""
+    if offload_policy is not None and type(offload_policy) not in (
+        OffloadPolicy,
+        CPUOffloadPolicy,
+    ):
+        raise TypeError(
+            f"fully_shard(offload_policy={offload_policy!r}): expected "
+            "torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=...) or OffloadPolicy()"
+        )
+    offload = offload_policy if isinstance(offload_policy, CPUOffloadPolicy) else None
+    for root in modules:
+        for path, sub in root.named_modules():
+            state = getattr(sub, STATE_ATTR, None)
+            if state is None or state.group is None:
+                continue
+            if (state.group.offload is None) != (offload is None):
+                had = "with" if state.group.offload is not None else "without"
+                raise ValueError(
+                    f"fully_shard(offload_policy={offload_policy!r}): submodule {path!r} was "
+                    f"wrapped {had} CPU offload; wrap every module of one model with the "
+                    "same offload_policy"
+                )
+    return offload
 
 
 def _as_module_list(module: nn.Module | list[nn.Module]) -> list[nn.Module]:

@@ -24,6 +24,7 @@ from contextlib import AbstractContextManager
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 from raggedfsdp.comm import (
     CommHandle,
@@ -36,12 +37,14 @@ from raggedfsdp.comm.errors import failing_as
 from raggedfsdp.fsdp.float8_gather import Float8Gather, float8_notes
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
+from raggedfsdp.fsdp.placement import placement_notes
 from raggedfsdp.fsdp.tensor_parallel import local_grad, tp_block_notes, tp_spec
 from raggedfsdp.sharding import (
     FlatBuffer,
     Layout,
     RaggedTensor,
     ShardPolicy,
+    StrictPolicy,
     TensorSpec,
     combine,
     resolve_units,
@@ -63,11 +66,13 @@ class ParamGroup:
         shard_policy: ShardPolicy,
         comm_streams: Callable[[], tuple[torch.cuda.Stream | None, torch.cuda.Stream | None]],
         name: str = "",
+        offload: CPUOffloadPolicy | None = None,
     ) -> None:
         self.name = name  # for error messages; the root renames groups to module paths
         self.params = params
         self.mesh = mesh
         self.mp_policy = mp_policy
+        self.offload = offload
         self._comm_streams = comm_streams
         first = params[0].original
         self.device, self.orig_dtype = first.device, first.dtype
@@ -81,19 +86,13 @@ class ParamGroup:
                     "in its own fully_shard call."
                 )
         fp8 = mp_policy.all_gather
-        if fp8 is not None:  # every FP8 tile whole on one rank, whatever else the policy wants
-            shard_policy = combine(shard_policy, float8_block_policy(fp8.tile))
-        units = _units(shard_policy, params, self.orig_dtype, mesh.shard_size)
-        specs = [
-            TensorSpec(mp.fqn, tuple(mp.local_original.shape), self.orig_dtype, units[mp.fqn])
-            for mp in params
-        ]
-        self.layout: Layout = _plan_layout(specs, mesh.shard_size)
-        # What the planner noted, what the units chose for expert tensors (whole experts, k
-        # rows of each, or cut) and where a TP split cuts the policy's blocks, so a user can
-        # see why blocks do or do not stay whole
-        self.notes: tuple[str, ...] = self.layout.notes + expert_notes(self.layout.tensors)
-        self.notes += tp_block_notes(params, shard_policy, units, mesh.shard_size)
+        if fp8 is not None and offload is not None:
+            raise ValueError(
+                f"fully_shard group {name!r}: MixedPrecisionPolicy(all_gather={fp8!r}) with "
+                "offload_policy=CPUOffloadPolicy(...) is not supported yet (the FP8 payload is "
+                "packed from the sharded parameters); drop one of them"
+            )
+        self._plan(shard_policy)
         compute_dtype = mp_policy.param_dtype or self.orig_dtype
         self._float8 = None if fp8 is None else Float8Gather(self.layout, fp8, compute_dtype)
         if fp8 is not None:
@@ -134,16 +133,51 @@ class ParamGroup:
         self.use_sharded_params()
         self._note_trainable()
 
+    def _plan(self, shard_policy: ShardPolicy) -> None:
+        """The layout of the group's TP-local tensors under ``shard_policy`` (every FP8 tile
+        whole too, whatever else the policy wants), and the notes a user reads to see why
+        blocks do or do not stay whole: the planner's, what the units chose for expert tensors,
+        where a TP split cuts the policy's blocks and where a ``shard_placement_fn`` placement
+        could not be honoured. Under a ``strict`` policy the last two are errors instead."""
+        params, world, fp8 = self.params, self.mesh.shard_size, self.mp_policy.all_gather
+        strict = isinstance(shard_policy, StrictPolicy)  # (before FP8 wraps the policy)
+        if fp8 is not None:
+            shard_policy = combine(shard_policy, float8_block_policy(fp8.tile))
+        units = _units(shard_policy, params, self.orig_dtype, world)
+        specs = [
+            TensorSpec(mp.fqn, tuple(mp.local_original.shape), self.orig_dtype, units[mp.fqn])
+            for mp in params
+        ]
+        self.layout: Layout = _plan_layout(specs, world)
+        self.notes: tuple[str, ...] = self.layout.notes + expert_notes(self.layout.tensors)
+        cut_by_tp = tp_block_notes(params, shard_policy, units, world)
+        unhonoured = placement_notes(shard_policy, self.layout.tensors)  # Shard(d), d > 0
+        fixes = (
+            (cut_by_tp, "Choose a TP degree or optimizer block that divides the TP block"),
+            (unhonoured, "Return Shard(0) from shard_placement_fn for it"),
+        )
+        for notes, fix in fixes:
+            if notes and strict:
+                raise ValueError(
+                    f"fully_shard group {self.name!r}, strict shard policy: {notes[0]}. {fix}, "
+                    "or drop strict(...) to keep this as a note"
+                )
+        self.notes += cut_by_tp + unhonoured
+
     def _build_storage(self, device: torch.device) -> None:
         """The flat buffers on ``device`` (zero-filled) and the parameters as views of them."""
         rank = self.mesh.shard_rank
         compute_dtype = self.mp_policy.param_dtype or self.orig_dtype
         reduce_dtype = self.mp_policy.reduce_dtype or compute_dtype
         self.device = device
-        self.master = FlatBuffer(self.layout, rank, self.orig_dtype, device)
+        host = self.host_device
+        pin = self.offload is not None and self.offload.pin_memory and host != device
+        self.master = FlatBuffer(self.layout, rank, self.orig_dtype, host, pin_memory=pin)
         self.compute = (
             self.master
-            if compute_dtype == self.orig_dtype
+            # under CPU offload always a buffer of its own on the device (on a CPU-only
+            # machine too: the same code path, the host -> device copy a plain copy)
+            if compute_dtype == self.orig_dtype and self.offload is None
             # No persistent compute-dtype segment: each gather casts the master segment into
             # its own place in the gathered buffer (as FSDP2 casts at gather time), and the FP8
             # gather packs its own payload, so a bf16 group keeps 4, not 6, bytes per element
@@ -163,6 +197,14 @@ class ParamGroup:
             view = self.compute.full_view(mp.fqn)
             unsharded = view if mp.tp is None else mp.tp.dtensor(view)
             mp.unsharded = nn.Parameter(unsharded, mp.requires_grad)
+
+    @property
+    def host_device(self) -> torch.device:
+        """Where the sharded parameters and gradients live: the CPU under CPU offload (the
+        compute device being ``device``), else ``device`` itself."""
+        if self.offload is None or self.device.type in ("cpu", "meta"):
+            return self.device
+        return torch.device("cpu")
 
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
         return failing_as(
@@ -318,8 +360,11 @@ class ParamGroup:
             else:
                 mesh, chunk = self.mesh, self.master.shard
                 if self.compute is not self.master:  # cast fp32 -> param_dtype in place (1/W)
+                    # (or, under CPU offload, copy host -> device; pinned: asynchronous)
                     size, rank = chunk.numel(), self.mesh.shard_rank
-                    chunk = full[rank * size : (rank + 1) * size].copy_(self.master.shard)
+                    pinned = self.master.shard.is_pinned()
+                    mine = full[rank * size : (rank + 1) * size]
+                    chunk = mine.copy_(self.master.shard, non_blocking=pinned)
                 self._gathered_version = self._master_version()
             self.all_gather_bytes += full.numel() * full.element_size()
             with self._failing_as("all-gather"):
@@ -549,8 +594,9 @@ class ParamGroup:
                 return []
             with self._failing_as("replicate all-reduce"):
                 all_reduce_flat(out, self.mesh.replicate_group, op=self._reduce_op)
-        if out.dtype != self.orig_dtype:
-            out = out.to(self.orig_dtype)
+        # the parameters' dtype, and under CPU offload their host memory (the optimizer steps
+        # there); a blocking copy: the step reads it next
+        out = out.to(device=self.host_device, dtype=self.orig_dtype)
         rank, group = self.mesh.shard_rank, self.mesh.shard_group
         updated = []
         with torch.no_grad():

@@ -27,6 +27,7 @@ from raggedfsdp.sharding.units import (
     GroupShardPolicy,
     MuonShardPolicy,
     ShardPolicy,
+    StrictPolicy,
     TensorMeta,
     adamw8bit_policy,
     combine,
@@ -40,6 +41,7 @@ from raggedfsdp.sharding.units import (
     shampoo_policy,
     shampoo_slab_rows,
     slice_units,
+    strict,
 )
 
 _LAZY = {
@@ -62,6 +64,7 @@ __all__ = [
     "RaggedTensor",
     "ShampooBlocks",
     "ShardPolicy",
+    "StrictPolicy",
     "TensorMeta",
     "TensorSpec",
     "adamw8bit_policy",
@@ -83,6 +86,7 @@ __all__ = [
     "shampoo_policy",
     "shampoo_slab_rows",
     "slice_units",
+    "strict",
 ]
 
 

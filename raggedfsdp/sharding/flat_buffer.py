@@ -48,6 +48,7 @@ class FlatBuffer:
         *,
         persistent_full: bool = False,
         with_shard: bool = True,
+        pin_memory: bool = False,
     ) -> None:
         _check_world(layout, rank)
         self.layout = layout
@@ -61,7 +62,8 @@ class FlatBuffer:
         if persistent_full:
             self.shard = self.full[start:stop]
         else:
-            self.shard = torch.zeros(seg if with_shard else 0, dtype=dtype, device=device)
+            size = seg if with_shard else 0  # pinned host memory: CPU offload's fast copies
+            self.shard = torch.zeros(size, dtype=dtype, device=device, pin_memory=pin_memory)
         self._full_views = {
             t.name: self.full[off : off + t.numel].view(t.shape)
             for t, off in ((t, layout.offsets[t.name]) for t in layout.tensors)

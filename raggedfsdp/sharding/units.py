@@ -43,6 +43,7 @@ __all__ = [
     "GroupShardPolicy",
     "MuonShardPolicy",
     "ShardPolicy",
+    "StrictPolicy",
     "TensorMeta",
     "WholeMatrices",
     "adamw8bit_policy",
@@ -56,6 +57,7 @@ __all__ = [
     "expert_unit_options",
     "float8_block_policy",
     "float8_tiles",
+    "grouped_notes",
     "is_muon_matrix",
     "is_quantized",
     "matrix_unit",
@@ -68,6 +70,7 @@ __all__ = [
     "shampoo_policy",
     "shampoo_slab_rows",
     "slice_units",
+    "strict",
     "tile_shape",
 ]
 
@@ -149,6 +152,34 @@ def resolve_units(
                 "for a tensor with no elements (e.g. raggedfsdp.sharding.row_units(32))"
             )
     return units
+
+
+@dataclass(frozen=True)
+class StrictPolicy(GroupShardPolicy):
+    """``policy``, with its blocks a promise rather than a wish: where another split (tensor
+    parallelism's) would cut a block the policy asks for, ``fully_shard`` refuses, naming the
+    parameter and the fix, instead of noting it in the group's ``notes``; so does a
+    ``shard_placement_fn`` placement that a contiguous layout cannot honour (FSDP2's strided
+    ``Shard(d)``, ``d > 0``). Build it with :func:`strict`."""
+
+    policy: ShardPolicy
+
+    @property
+    def policies(self) -> tuple[ShardPolicy, ...]:
+        """The policy it wraps (as ``combine``'s result lists its own), for searches."""
+        return (self.policy,)
+
+    def __call__(self, fqn: str, param: Any) -> int:
+        return self.policy(fqn, param)
+
+    def units_for_group(self, tensors: Sequence[TensorEntry], world_size: int) -> dict[str, int]:
+        return resolve_units(self.policy, tensors, world_size)
+
+
+def strict(policy: ShardPolicy) -> StrictPolicy:
+    """``policy`` under which a block cut by another split is an error (see ``StrictPolicy``),
+    e.g. ``fully_shard(block, shard_policy=strict(AdamW8bit.shard_policy(tile=(32, 32))))``."""
+    return policy if isinstance(policy, StrictPolicy) else StrictPolicy(policy)
 
 
 # ----------------------------------------------------------------------------- plain rules
@@ -471,10 +502,16 @@ def expert_notes(tensors: Sequence[Any]) -> tuple[str, ...]:
             chosen.setdefault(_expert_choice(t.name, t.unit, *matrix), []).append(
                 f"{t.name} {tuple(t.shape)}"
             )
+    return grouped_notes(chosen, "expert tensors")
+
+
+def grouped_notes(chosen: dict[str, list[str]], what: str) -> tuple[str, ...]:
+    """``"<tensor>: <choice>"`` lines, one per tensor, or one per choice when more than
+    ``MAX_NOTE_LINES`` tensors share it (``what`` names them: "expert tensors")."""
     notes = []
     for choice, names in chosen.items():
         if len(names) > MAX_NOTE_LINES:
-            names = [f"{len(names)} expert tensors ({names[0]}, ..., {names[-1]})"]
+            names = [f"{len(names)} {what} ({names[0]}, ..., {names[-1]})"]
         notes += [f"{name}: {choice}" for name in names]
     return tuple(notes)
 

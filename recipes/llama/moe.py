@@ -31,7 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from recipes.llama.expert_parallel import dispatch
 from recipes.llama.model import Attention, FeedForward, RMSNorm, Transformer
 from recipes.llama.model_config import ModelConfig, MoEConfig
 
@@ -77,19 +79,28 @@ class Experts(nn.Module):
             return self._grouped(x, counts)
         return self._loop(x, counts)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w3, w2)``; under expert parallelism (``Shard(0)`` DTensors over ``ep``) the
+        local tensors, this EP rank's experts (``recipes.llama.expert_parallel``)."""
+        return tuple(  # type: ignore[return-value]
+            w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2)
+        )
+
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = counts.cumsum(0).to(torch.int32)
+        w1, w3, w2 = self.local_weights()
 
         def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             out = F.grouped_mm(a, w.transpose(-2, -1).to(a.dtype), offs=offs)
             return _ContiguousGrad.apply(out)
 
-        return mm(F.silu(mm(x, self.w1)) * mm(x, self.w3), self.w2)
+        return mm(F.silu(mm(x, w1)) * mm(x, w3), w2)
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []
+        weights = self.local_weights()
         for e, rows in enumerate(x.split(counts.tolist())):
-            w1, w3, w2 = (w[e].to(x.dtype) for w in (self.w1, self.w3, self.w2))
+            w1, w3, w2 = (w[e].to(x.dtype) for w in weights)
             outs.append((F.silu(rows @ w1.T) * (rows @ w3.T)) @ w2.T)
         return torch.cat(outs)
 
@@ -144,7 +155,11 @@ class MoEFeedForward(nn.Module):
         order = flat.argsort(stable=True)
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
-        routed = self.experts(x[token], counts) * weights.flatten()[order, None].to(x.dtype)
+        if getattr(self.experts, "ep_mesh", None) is not None:  # expert parallelism
+            routed = dispatch(self.experts, x[token], counts)
+        else:
+            routed = self.experts(x[token], counts)
+        routed = routed * weights.flatten()[order, None].to(x.dtype)
         out = torch.zeros_like(x).index_add_(0, token, routed)
         if self.shared is not None:
             out = out + self.shared(x)

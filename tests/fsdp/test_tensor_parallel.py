@@ -393,3 +393,28 @@ def test_gradient_accumulation_without_sync(dist_pool):
     for params in dist_pool(4).run(_accumulated, (2, 2)):
         for n, p in reference.named_parameters():
             assert torch.allclose(params[n], p.detach(), atol=1e-6), n
+
+
+def _strict_refusal() -> tuple[str, str]:
+    """``strict(row_units(4))`` on a block whose rowwise weights TP cuts: refused, the block
+    left as it was; the plain policy notes it instead."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    block = parallelize_llama(make_llama(), mesh["tp"]).layers[0]
+    policy = raggedfsdp.sharding.strict(raggedfsdp.sharding.row_units(4))
+    try:
+        raggedfsdp.fully_shard(block, mesh=mesh["dp_shard"], shard_policy=policy)
+    except ValueError as error:
+        message = str(error)
+    else:
+        raise AssertionError("a strict policy accepted blocks cut by TP")
+    assert not isinstance(block, raggedfsdp.FSDPModule)
+    fine = parallelize_llama(make_llama(), mesh["tp"]).layers[0].attention.wq
+    raggedfsdp.fully_shard(fine, mesh=mesh["dp_shard"], shard_policy=policy)  # Shard(0): whole
+    return message, type(fine).__name__
+
+
+def test_a_strict_policy_refuses_blocks_cut_by_tp(dist_pool):
+    for message, wrapped in dist_pool(4).run(_strict_refusal):
+        assert "strict shard policy" in message and "'attention.wo.weight'" in message
+        assert "drop strict(...)" in message and "\n" not in message
+        assert wrapped == "RaggedFSDPLinear"  # the colwise weight wrapped fine
