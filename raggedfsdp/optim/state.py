@@ -207,9 +207,12 @@ class ShardedState(OptimizerHooks):
         return f"{fqn!r} ({piece.name})" if fqn else repr(piece.name)
 
     def _split_by_tp(self, piece: Piece, tp: TPShard) -> str:
-        """How refusals of a TP-split parameter begin: the parameter, its TP split."""
+        """How refusals of a TP-split parameter begin: the parameter, and the mesh dim that
+        splits it (``tp``, or ``ep`` for experts, which take the same path)."""
+        names = tp.mesh.mesh_dim_names
+        dim = f"the {names[0]!r} mesh dim" if names else "a tensor-parallel mesh dim"
         split = f"{tp.placement!r} over {tp.size} ranks"
-        return f"parameter {self._label(piece)} is split by TP ({split})"
+        return f"parameter {self._label(piece)} is split over {dim} ({split})"
 
     def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
         """Copy a saved entry that ``_check_state`` accepted into ``piece``'s state."""

@@ -24,7 +24,15 @@ from typing import Annotated, Any, Literal
 from recipes.llama.model_config import ConfigError, ModelConfig, MoEConfig
 from recipes.llama.moe_config import MOE_PRESETS, moe_preset
 
-__all__ = ["USAGE_ERROR", "Config", "ConfigError", "ModelConfig", "parse_args", "usage"]
+__all__ = [
+    "USAGE_ERROR",
+    "Config",
+    "ConfigError",
+    "ModelConfig",
+    "check_ep",
+    "parse_args",
+    "usage",
+]
 
 PRESET_DIR = Path(__file__).parent / "configs"
 USAGE_ERROR = 2  # exit status of a run refused with a one-line message (argparse's status)
@@ -74,6 +82,9 @@ class Config:
     ] = False
     dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
     tp: Annotated[int, "tensor-parallel degree (last mesh dim, torchtitan's Llama plan)"] = 1
+    ep: Annotated[
+        int, "MoE: expert-parallel degree (E / ep whole experts per rank, all-to-all)"
+    ] = 1
     mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
     all_gather: Annotated[
         Literal["param", "fp8", "mxfp8"],
@@ -101,7 +112,15 @@ class Config:
     def check(self) -> None:
         """Checks that need no process group (the batch split is checked at start-up)."""
         self.model.check()
-        positive = ("steps", "seq_len", "batch_size", "micro_batch_size", "dp_replicate", "tp")
+        positive = (
+            "steps",
+            "seq_len",
+            "batch_size",
+            "micro_batch_size",
+            "dp_replicate",
+            "tp",
+            "ep",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 1")
@@ -113,6 +132,7 @@ class Config:
             )
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
+        check_ep(self)  # first: --ep with --tp is refused as EP x TP, not as TP of a MoE
         check_tp(self.model, self.seq_len, self.tp, self.all_gather)
 
     def to_dict(self) -> dict[str, Any]:
@@ -168,6 +188,42 @@ def check_tp(model: ModelConfig, seq_len: int, tp: int, all_gather: str) -> None
             f"--tp {tp} does not divide {', '.join(bad)} (TP splits each into {tp} equal parts): "
             f"use --tp {_degrees(dims)}, or change those sizes"
         )
+
+
+def check_ep(cfg: Config) -> None:
+    """Refuse an ``--ep`` the run cannot use, in one line naming ``--ep`` and the fix, while the
+    command line is parsed (the world size is checked at start-up: ``parallel.check_ep_world``)."""
+    ep = cfg.ep
+    if ep == 1:
+        return
+    if not isinstance(cfg.model, MoEConfig):
+        raise ConfigError(
+            f"--ep {ep} with a dense model: expert parallelism splits a MoE model's experts; "
+            "start from a MoE preset (--config moe_tiny) or use --ep 1"
+        )
+    experts = cfg.model.n_experts
+    if experts % ep:
+        fits = [str(d) for d in range(1, experts + 1) if experts % d == 0]
+        raise ConfigError(
+            f"--ep {ep} does not divide model.n_experts={experts} (each EP rank holds "
+            f"n_experts / ep whole experts): use --ep {', '.join(fits[:-1])} or {fits[-1]}"
+        )
+    unsupported = [
+        (cfg.tp > 1, f"--tp {cfg.tp}", "EP x TP is not supported yet; use --tp 1"),
+        (
+            cfg.fsdp == "fsdp2",
+            "--fsdp fsdp2",
+            "FSDP2 x EP is not supported yet; use --fsdp raggedfsdp",
+        ),
+        (
+            cfg.dp_replicate > 1,
+            f"--dp-replicate {cfg.dp_replicate}",
+            "HSDP x EP is not supported yet; use --dp-replicate 1",
+        ),
+    ]
+    for bad, option, fix in unsupported:
+        if bad:
+            raise ConfigError(f"--ep {ep} with {option}: {fix} (or --ep 1)")
 
 
 def _keys(cls: type) -> dict[str, Any]:

@@ -4,7 +4,8 @@ The recipe runs under ``torchrun`` (one process per device, any number of nodes)
 ``python -m`` process (a world of one). ``--fsdp fsdp2`` swaps ``raggedfsdp.fully_shard`` for
 ``torch.distributed.fsdp.fully_shard`` with the same wrapping and mixed precision, so
 the two can be compared on the same run. ``--tp N`` adds a tensor-parallel mesh dim
-(``tensor_parallel``'s plan) under either.
+(``tensor_parallel``'s plan) under either; ``--ep N`` (MoE, raggedfsdp) splits the experts over
+an ``ep`` dim (``expert_parallel``'s mesh and wrapping).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
+from recipes.llama.expert_parallel import _is_moe, distribute_experts, ep_meshes, shard_ep_block
 from recipes.llama.model import Transformer
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import model_class
@@ -36,6 +38,7 @@ from recipes.llama.tensor_parallel import apply_tp_to_block, apply_tp_to_root
 __all__ = [
     "Env",
     "build_model",
+    "check_ep_world",
     "check_expert_split",
     "check_world",
     "clip_gradients",
@@ -55,7 +58,12 @@ class Env:
     (``fully_shard``'s ``mesh``) and, with ``--tp`` above 1, the tensor-parallel one.
 
     ``dp_rank`` / ``dp_size`` pick this process's rows of every global batch: the TP ranks of
-    one data-parallel index compute the same sequences, so they read the same rows."""
+    one data-parallel index compute the same sequences, so they read the same rows.
+
+    With ``--ep`` above 1, ``ep_mesh`` is the 2-D ``("dp_shard_mod_ep", "ep")`` mesh and
+    ``mesh`` its flattening (``"dp_shard"``, every rank): every rank is a data-parallel rank of
+    the dense weights and reads its own rows (the EP ranks see different tokens), so
+    ``dp_rank`` / ``dp_size`` are the rank and the world, as without EP."""
 
     rank: int
     world_size: int
@@ -63,6 +71,7 @@ class Env:
     device: torch.device
     mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
+    ep_mesh: DeviceMesh | None = None
 
     @property
     def is_main(self) -> bool:
@@ -82,8 +91,11 @@ class Env:
         return index
 
     def mesh_shape(self) -> dict[str, int]:
-        """Every mesh dim by name (the data-parallel ones, then ``tp``), for the banner."""
+        """Every mesh dim by name (the data-parallel ones, then ``tp``; with EP the 2-D
+        ``dp_shard_mod_ep`` x ``ep`` mesh), for the banner."""
         meshes = [self.mesh] if self.tp_mesh is None else [self.mesh, self.tp_mesh]
+        if self.ep_mesh is not None:
+            meshes = [self.ep_mesh]
         return {
             name: size
             for mesh in meshes
@@ -146,11 +158,19 @@ def _pin_gloo_to_loopback() -> None:
         pin_gloo_to_loopback()
 
 
-def make_env(device: torch.device, local_rank: int, replicate: int = 1, tp: int = 1) -> Env:
+def make_env(
+    device: torch.device, local_rank: int, replicate: int = 1, tp: int = 1, ep: int = 1
+) -> Env:
     """This rank's ``Env`` in the default process group: a 1-D ``shard`` mesh, ``(replicate,
     shard)`` for HSDP; with ``tp`` above 1 torchtitan's ``(dp_shard, tp)`` or ``(dp_replicate,
-    dp_shard, tp)`` mesh, ``tp`` last so that a TP group is neighbouring ranks."""
+    dp_shard, tp)`` mesh, ``tp`` last so that a TP group is neighbouring ranks; with ``ep``
+    above 1 ``expert_parallel.ep_meshes``' ``(dp_shard_mod_ep, ep)`` mesh, the dense weights
+    and the batch over both dims flattened (every rank)."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
+    if ep > 1:
+        check_ep_world(ep, world_size)
+        mesh, dp = ep_meshes(ep, device.type, world_size)
+        return Env(rank, world_size, local_rank, device, dp, ep_mesh=mesh)
     if world_size % replicate:
         raise ConfigError(
             f"dp_replicate={replicate} must divide the number of processes ({world_size})"
@@ -186,6 +206,24 @@ def check_world(tp: int, replicate: int, world_size: int) -> None:
     )
 
 
+def check_ep_world(ep: int, world_size: int, n_experts: int | None = None) -> None:
+    """Refuse an ``--ep`` that does not divide the processes (the mesh is ``(processes / ep,
+    ep)``), before the process group is touched; the fix lists the degrees that divide the
+    processes (and ``n_experts``, when given)."""
+    if ep == 1 or world_size % ep == 0:
+        return
+    fits = [
+        str(d)
+        for d in range(1, world_size + 1)
+        if world_size % d == 0 and (n_experts is None or n_experts % d == 0)
+    ]
+    degrees = f"{', '.join(fits[:-1])} or {fits[-1]}" if len(fits) > 1 else "".join(fits)
+    raise ConfigError(
+        f"--ep {ep} does not divide the {world_size} processes (the mesh is (processes / ep, "
+        f"ep)): use --ep {degrees}, or launch a multiple of {ep} processes"
+    )
+
+
 def check_expert_split(cfg: Config, world_size: int) -> None:
     """Refuse ``--whole-experts`` where the sharding cannot keep experts whole: FSDP2 splits
     dim 0 of every parameter evenly over the shard group, which cuts through expert matrices
@@ -217,6 +255,8 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
     world = int(os.environ.get("WORLD_SIZE", 1)) if created else dist.get_world_size()
     check_expert_split(cfg, world)
     check_world(cfg.tp, cfg.dp_replicate, world)
+    if isinstance(cfg.model, MoEConfig):
+        check_ep_world(cfg.ep, world, cfg.model.n_experts)
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ:  # torchrun
@@ -227,7 +267,7 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     together = True
     try:
-        yield make_env(device, local_rank, cfg.dp_replicate, cfg.tp)
+        yield make_env(device, local_rank, cfg.dp_replicate, cfg.tp, cfg.ep)
     except agreed:
         raise
     except BaseException:
@@ -264,6 +304,16 @@ def failing_together(*errors: type[Exception]) -> Iterator[None]:
         raise kind(message) from failure
 
 
+def _ragged_kwargs(cfg: Config, policy: ShardPolicy | None) -> dict[str, Any]:
+    """raggedfsdp's ``fully_shard`` keywords but the mesh: mixed precision (and FP8
+    all-gathers) and the optimizer's unit rule."""
+    bf16 = cfg.mixed_precision == "bf16"
+    fp8 = {"fp8": Float8Blocks(), "mxfp8": MXFP8Blocks()}.get(cfg.all_gather)
+    dtypes = (torch.bfloat16, torch.float32) if bf16 else (None, None)
+    mp = raggedfsdp.MixedPrecisionPolicy(*dtypes, all_gather=fp8)
+    return {"mp_policy": mp, "shard_policy": policy}
+
+
 def _wrapper(
     cfg: Config, mesh: DeviceMesh, policy: ShardPolicy | None
 ) -> Callable[[nn.Module], Any]:
@@ -274,10 +324,7 @@ def _wrapper(
     """
     bf16 = cfg.mixed_precision == "bf16"
     if cfg.fsdp == "raggedfsdp":
-        fp8 = {"fp8": Float8Blocks(), "mxfp8": MXFP8Blocks()}.get(cfg.all_gather)
-        dtypes = (torch.bfloat16, torch.float32) if bf16 else (None, None)
-        mp = raggedfsdp.MixedPrecisionPolicy(*dtypes, all_gather=fp8)
-        return partial(raggedfsdp.fully_shard, mesh=mesh, mp_policy=mp, shard_policy=policy)
+        return partial(raggedfsdp.fully_shard, mesh=mesh, **_ragged_kwargs(cfg, policy))
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp2 = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
@@ -295,7 +342,10 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     them first), so the root does not hold them, nor the output's gradient, through the whole
     backward; tied embeddings stay in the root's group. With ``--tp`` each block gets the TP
     plan once its weights exist (whole, from the seed), before it is wrapped, so both FSDPs
-    shard this rank's TP blocks over ``env.mesh`` as torchtitan does.
+    shard this rank's TP blocks over ``env.mesh`` as torchtitan does. With ``--ep`` each MoE
+    block's experts become ``Shard(0)`` DTensors over ``ep`` once they exist (every rank keeps
+    its ``E / ep``: ``distribute_experts``), and ``shard_ep_block`` wraps the experts over
+    ``dp_shard_mod_ep`` and the rest of the block over every rank.
 
     Wrapped alone, those parameters are named ``weight`` (``0.weight``, ``1.weight``), so a
     name-based policy such as Muon's cannot tell them from hidden matrices; its default "auto"
@@ -307,9 +357,15 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
         model.materialize_block(index, env.device, cfg.seed)
         if env.tp_mesh is not None:  # whole weights in, this rank's TP blocks out
             apply_tp_to_block(block, env.tp_mesh)
+        moe_ep = env.ep_mesh is not None and any(_is_moe(m) for m in block.modules())
+        if moe_ep:  # whole experts in, this rank's E / ep experts out
+            distribute_experts(block, env.ep_mesh["ep"])
         if cfg.compile:  # blocks of one shape share one graph; FSDP's hooks stay outside it
             block.compile()
-        wrap(block)
+        if moe_ep:
+            shard_ep_block(block, env.ep_mesh, env.mesh, **_ragged_kwargs(cfg, policy))
+        else:
+            wrap(block)
     model.materialize_root(env.device, cfg.seed)
     if env.tp_mesh is not None:
         apply_tp_to_root(model, env.tp_mesh)

@@ -138,4 +138,4 @@ def test_blocks_a_tp_split_cuts_end_the_run_in_one_line(dist_pool, data_dir, tmp
     err = results[0][2]
     assert [r[0] for r in results] == [2, 2] and results[1][1:] == ("", ""), results
     assert err.startswith("error: --optimizer shampoo: parameter ") and err.count("\n") == 1, err
-    assert "split by TP" in err and "max_preconditioner_dim" in err
+    assert "split over the 'tp' mesh dim" in err and "max_preconditioner_dim" in err

@@ -1,0 +1,197 @@
+"""``--ep N`` end to end on the gloo pools, on the moe_tiny model (6 experts, top-2, two MoE
+blocks): ep 2 trains as ep 1 at W=2, every optimizer trains with EP, checkpoints resume across
+ep 2 and ep 1, and each bad ``--ep`` is refused in one line before anything runs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from recipes.llama.config import ConfigError, parse_args
+from recipes.llama.optimizers import CHOICES
+from recipes.llama.parallel import check_ep_world, distributed
+from recipes.llama.train import train
+from tests.support.recipe_runs import args, run_main, run_train
+
+# EP computes each expert's rows on another rank and sums the combined output in the same order,
+# but the reductions run over other groups (experts over dp_shard_mod_ep): float rounding only.
+EP_TOLERANCE = 1e-5
+# Muon's Newton-Schulz iterations amplify that rounding: over the 8 debug steps plain FSDP at
+# W=2 is up to 3.7e-4 from W=1, and ep 2 up to 5.3e-4 from ep 1 at W=2 (measured).
+MUON_TOLERANCE = 1e-3
+
+
+def moe_args(data_dir: str, run_dir: Path, *extra: str) -> list[str]:
+    """The debug run (tiny batches) on the moe_tiny model."""
+    return args(data_dir, run_dir, "--config", "moe_tiny", *extra)
+
+
+def _train_recording(argv: list[str]) -> dict[str, Any]:
+    """Losses, gradient norms and the banner's mesh of one run on this rank."""
+    cfg = parse_args(argv)
+    norms: dict[int, float] = {}
+    with distributed(cfg) as env:
+        result = train(cfg, env, on_step=lambda step, m: norms.__setitem__(step, m["grad_norm"]))
+        mesh = env.mesh_shape()
+        dp = (env.dp_rank, env.dp_size)
+    return {"losses": result.losses, "norms": norms, "mesh": mesh, "dp": dp}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--config", "moe_tiny", "--ep", "4"],
+            "--ep 4 does not divide model.n_experts=6 (each EP rank holds n_experts / ep whole "
+            "experts): use --ep 1, 2, 3 or 6",
+        ),
+        (["--ep", "2"], "--ep 2 with a dense model: expert parallelism splits a MoE model's"),
+        (
+            ["--config", "moe_tiny", "--ep", "2", "--tp", "2"],
+            "--ep 2 with --tp 2: EP x TP is not supported yet; use --tp 1 (or --ep 1)",
+        ),
+        (
+            ["--config", "moe_tiny", "--ep", "2", "--fsdp", "fsdp2"],
+            "--ep 2 with --fsdp fsdp2: FSDP2 x EP is not supported yet; use --fsdp raggedfsdp "
+            "(or --ep 1)",
+        ),
+        (
+            ["--config", "moe_tiny", "--ep", "2", "--dp-replicate", "2"],
+            "--ep 2 with --dp-replicate 2: HSDP x EP is not supported yet",
+        ),
+        (["--config", "moe_tiny", "--ep", "0"], "ep=0 must be >= 1"),
+    ],
+    ids=["experts", "dense", "tp", "fsdp2", "hsdp", "zero"],
+)
+def test_a_bad_ep_is_refused_while_parsing(data_dir, tmp_path, extra, message):
+    with pytest.raises(ConfigError) as err:
+        parse_args(args(data_dir, tmp_path, *extra))
+    assert str(err.value).startswith(message), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_an_ep_that_does_not_divide_the_processes_is_refused_before_the_group():
+    with pytest.raises(ConfigError) as err:
+        check_ep_world(4, 6, n_experts=6)
+    assert str(err.value) == (
+        "--ep 4 does not divide the 6 processes (the mesh is (processes / ep, ep)): use --ep "
+        "1, 2, 3 or 6, or launch a multiple of 4 processes"
+    )
+    check_ep_world(2, 4)
+
+
+def test_ep_not_dividing_the_world_ends_every_rank_with_one_line(dist_pool, data_dir, tmp_path):
+    argv = moe_args(data_dir, tmp_path / "run", "--ep", "3")
+    results = dist_pool(2).run(run_main, argv)
+    assert [code for code, _, _ in results] == [2, 2], results
+    assert results[0][1:] == (
+        "",
+        "error: --ep 3 does not divide the 2 processes (the mesh is (processes / ep, ep)): use "
+        "--ep 1 or 2, or launch a multiple of 3 processes\n",
+    )
+    assert results[1][1:] == ("", "")
+
+
+def test_ep2_trains_as_ep1_at_w2(dist_pool, data_dir, tmp_path):
+    extra = ["--steps", "4", "--checkpoint-every", "0"]
+    plain = dist_pool(2).run(_train_recording, moe_args(data_dir, tmp_path / "ep1", *extra))
+    ours = dist_pool(2).run(
+        _train_recording, moe_args(data_dir, tmp_path / "ep2", "--ep", "2", *extra)
+    )
+    assert ours[0]["mesh"] == {"dp_shard_mod_ep": 1, "ep": 2}
+    assert [r["dp"] for r in ours] == [(0, 2), (1, 2)]  # every rank reads its own rows
+    assert all(r["losses"] == ours[0]["losses"] for r in ours)
+    losses, reference = ours[0]["losses"], plain[0]["losses"]
+    assert list(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    for step, loss in losses.items():
+        assert abs(loss - reference[step]) < EP_TOLERANCE, (step, loss, reference[step])
+        norm, ref_norm = ours[0]["norms"][step], plain[0]["norms"][step]
+        assert abs(norm - ref_norm) < EP_TOLERANCE * max(1.0, ref_norm), (step, norm, ref_norm)
+
+
+@pytest.mark.parametrize("optimizer", list(CHOICES))
+def test_every_optimizer_trains_with_ep(dist_pool, data_dir, tmp_path, optimizer):
+    """Two steps with the experts split over ep 2 at W=2, on both ranks, exit status 0."""
+    extra = ["--ep", "2", "--optimizer", optimizer, "--steps", "2", "--checkpoint-every", "0"]
+    extra += ["--eval-every", "0", "--preconditioner-dim", "8"]
+    results = dist_pool(2).run(run_main, moe_args(data_dir, tmp_path / optimizer, *extra))
+    assert [r[0] for r in results] == [0, 0], results
+    assert results[0][2] == "", results[0][2]
+
+
+def test_blocks_an_ep_split_cuts_end_the_run_in_one_line(dist_pool, data_dir, tmp_path):
+    """Shampoo's default 1024-side blocks span experts of both EP ranks: refused while the
+    optimizer is built, in one line from rank 0 (raggedfsdp's message calls the split TP)."""
+    extra = ["--ep", "2", "--optimizer", "shampoo", "--steps", "2", "--checkpoint-every", "0"]
+    results = dist_pool(2).run(run_main, moe_args(data_dir, tmp_path / "run", *extra))
+    err = results[0][2]
+    assert [r[0] for r in results] == [2, 2] and results[1][1:] == ("", ""), results
+    assert err.startswith("error: --optimizer shampoo: parameter ") and err.count("\n") == 1, err
+    assert "max_preconditioner_dim" in err
+
+
+def test_ep2_with_bf16_and_activation_checkpointing(dist_pool, data_dir, tmp_path):
+    extra = ["--ep", "2", "--mixed-precision", "bf16", "--activation-checkpointing"]
+    extra += ["--checkpoint-every", "0", "--steps", "4"]
+    results = dist_pool(2).run(run_train, moe_args(data_dir, tmp_path / "run", *extra))
+    losses = results[0].losses
+    assert all(r.losses == losses for r in results)
+    assert list(losses) == [1, 2, 3, 4] and losses[4] < losses[1] - 0.5
+
+
+def test_dp2_ep2_trains_as_ep1_at_w4(dist_pool, data_dir, tmp_path):
+    """(dp_shard_mod_ep 2, ep 2): each EP rank's experts also sharded over 2 ranks."""
+    extra = ["--steps", "4", "--checkpoint-every", "0"]
+    plain = dist_pool(4).run(
+        _train_recording, moe_args(data_dir, tmp_path / "ep1", *extra), timeout=240
+    )[0]
+    ours = dist_pool(4).run(
+        _train_recording, moe_args(data_dir, tmp_path / "ep2", "--ep", "2", *extra), timeout=240
+    )
+    assert ours[0]["mesh"] == {"dp_shard_mod_ep": 2, "ep": 2}
+    assert [r["dp"] for r in ours] == [(rank, 4) for rank in range(4)]
+    for step, loss in ours[0]["losses"].items():
+        assert abs(loss - plain["losses"][step]) < EP_TOLERANCE, (step, loss, plain["losses"])
+        norm, ref_norm = ours[0]["norms"][step], plain["norms"][step]
+        assert abs(norm - ref_norm) < EP_TOLERANCE * max(1.0, ref_norm), (step, norm, ref_norm)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_checkpoints_resume_across_ep2_and_ep1(dist_pool, data_dir, tmp_path, optimizer):
+    """Saved at ep 2 (W=2) and resumed at ep 1 (W=2), and the reverse: the rest of the run
+    within 1e-5 of the run that went straight on (DCP boxes are global; Muon within what plain
+    FSDP shows across world sizes)."""
+    straight: dict[int, Any] = {}
+    for ep in (1, 2):
+        run_dir = tmp_path / f"ep{ep}"
+        straight[ep] = dist_pool(2).run(
+            run_train,
+            moe_args(data_dir, run_dir, "--ep", str(ep), "--optimizer", optimizer),
+            timeout=180,
+        )[0]
+        shutil.copytree(run_dir / "checkpoints" / "step_00000004", tmp_path / f"saved-ep{ep}")
+    for saved_ep, resume_ep in ((2, 1), (1, 2)):
+        saved = tmp_path / f"saved-ep{saved_ep}"
+        resumed = dist_pool(2).run(
+            run_train,
+            moe_args(
+                data_dir,
+                tmp_path / f"ep{saved_ep}-to-ep{resume_ep}",
+                "--ep",
+                str(resume_ep),
+                "--resume",
+                str(saved),
+                "--optimizer",
+                optimizer,
+            ),
+            timeout=180,
+        )[0]
+        assert resumed.resumed_from == str(saved)
+        assert list(resumed.losses) == [5, 6, 7, 8]
+        for step, loss in resumed.losses.items():
+            reference = straight[saved_ep].losses[step]
+            tolerance = MUON_TOLERANCE if optimizer == "muon" else EP_TOLERANCE
+            assert abs(loss - reference) < tolerance, (saved_ep, resume_ep, step)
