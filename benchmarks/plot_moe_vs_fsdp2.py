@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -36,30 +37,47 @@ def label(run: dict) -> str:
     return text + (", experts-heavy" if a.get("shared_experts") == 0 else "")
 
 
+def plot_ratios(
+    runs: list[dict],
+    label_of: Callable[[dict], str],
+    metrics: list[tuple[str, str, float]],
+    title: str,
+    out: Path,
+) -> None:
+    """One group of bars per run (its ``ratio`` entries), the goal of each metric in the
+    legend, FSDP2 as the dashed line at 1.0. Shared by the MoE and TP plots."""
+    width = 0.8 / len(metrics)
+    fig, ax = plt.subplots(figsize=(1.4 * len(runs) + 2, 4.8))
+    for i, (key, name, goal) in enumerate(metrics):
+        xs = [j + i * width for j in range(len(runs))]
+        ys = [r["ratio"].get(key, 0.0) for r in runs]
+        ax.bar(xs, ys, width, label=f"{name} (goal ≤ {goal})")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="FSDP2")
+    ticks = [j + (len(metrics) - 1) / 2 * width for j in range(len(runs))]
+    ax.set_xticks(ticks, [label_of(r) for r in runs], fontsize=7)
+    ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
+
+
+def latest_runs(path: Path, label_of: Callable[[dict], str]) -> list[dict]:
+    """The latest run of each configuration in a JSON-lines file (a rerun after a change
+    replaces the older one)."""
+    lines = path.read_text().splitlines()
+    latest = {label_of(r): r for r in map(json.loads, filter(str.strip, lines)) if "ratio" in r}
+    return list(latest.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS / "moe_vs_fsdp2.jsonl")
     parser.add_argument("--out", type=Path, default=RESULTS / "moe_vs_fsdp2.png")
     args = parser.parse_args()
-    lines = args.results.read_text().splitlines()
-    # the latest run of each configuration (a rerun after a change replaces the older one)
-    latest = {label(r): r for r in map(json.loads, filter(str.strip, lines)) if "ratio" in r}
-    runs = list(latest.values())
-    width = 0.8 / len(METRICS)
-    fig, ax = plt.subplots(figsize=(1.4 * len(runs) + 2, 4.8))
-    for i, (key, name, goal) in enumerate(METRICS):
-        xs = [j + i * width for j in range(len(runs))]
-        ys = [r["ratio"].get(key, 0.0) for r in runs]
-        ax.bar(xs, ys, width, label=f"{name} (goal ≤ {goal})")
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="FSDP2")
-    ticks = [j + 1.5 * width for j in range(len(runs))]
-    ax.set_xticks(ticks, [label(r) for r in runs], fontsize=7)
-    ax.set_ylabel("raggedfsdp / FSDP2 (lower is better)")
-    ax.set_title("MoE (fused experts, E not divisible by W): fully_shard vs FSDP2 (CPU, gloo)")
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    title = "MoE (fused experts, E not divisible by W): fully_shard vs FSDP2 (CPU, gloo)"
+    plot_ratios(latest_runs(args.results, label), label, METRICS, title, args.out)
 
 
 if __name__ == "__main__":
