@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -163,3 +165,43 @@ def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: in
             worker, args=(world, port, args, out), nprocs=world, start_method="spawn"
         )
     return out.get()
+
+
+def alternate_rounds(
+    systems: dict[str, dict[str, Any]], names: list[str], steps: int, step: Callable
+) -> dict[str, dict[str, float]]:
+    """``steps`` rounds of one ``step(model, opt) -> (loss, optimizer seconds)`` per system of
+    ``names``, the order rotating each round so that no system always runs first (warm
+    caches, the allocator's state): medians of the step time, the optimizer's part and the
+    transient peak (``peak_above_now``)."""
+    keys = ("step", "optim", "transient")
+    rounds: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in names}
+    for i in range(steps):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            model, opt = systems[name]["model"], systems[name]["opt"]
+            dist.barrier()
+            t0 = time.perf_counter()
+            out: dict[str, tuple[float, float]] = {}
+            mem = peak_above_now(lambda m=model, o=opt, r=out: r.update(r=step(m, o)))
+            rounds[name]["step"].append(time.perf_counter() - t0)
+            rounds[name]["optim"].append(out["r"][1])
+            rounds[name]["transient"].append(mem)
+        del model, opt  # no reference left here: deleting a system later must free it
+    return {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rounds.items()}
+
+
+class Both(torch.optim.Optimizer):
+    """Two optimizers (a Muon on the matrices, AdamW on the rest) stepped as one."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        super().__init__(params, {})
+
+    def step(self, closure: Any = None) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)

@@ -48,7 +48,6 @@ import gc
 import itertools
 import json
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -58,9 +57,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from measure import (
+    Both,
     CollectiveBytes,
+    alternate_rounds,
     init_gloo,
-    peak_above_now,
     peak_allocated,
     spawn_ranks,
     status_kib,
@@ -133,24 +133,7 @@ def optimizer(system: str, model: nn.Module, args: argparse.Namespace) -> torch.
         return Muon(groups, **MUON, adamw_lr=ADAMW["lr"])
     matrices = [p for g in groups if g["use_muon"] for _, p in g["params"] if p.ndim == 2]
     rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
-    return _Both(torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW))
-
-
-class _Both(torch.optim.Optimizer):
-    """torch's Muon on the 2-D matrices and AdamW on the rest, stepped as one optimizer."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-        super().__init__(params, {})
-
-    def step(self, closure: Any = None) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none)
+    return Both(torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW))
 
 
 def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -251,21 +234,10 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     _warm_up(args, step)
     systems = _build(args, step)
     runs = [n for n in SYSTEMS if systems[n]["error"] is None]
-    rounds = {n: {"step": [], "optim": [], "transient": []} for n in runs}
-    for i in range(args.steps):
-        for name in runs[i % len(runs) :] + runs[: i % len(runs)]:
-            model, opt = systems[name]["model"], systems[name]["opt"]
-            dist.barrier()
-            t0 = time.perf_counter()
-            result: dict[str, tuple[float, float]] = {}
-            mem = peak_above_now(lambda m=model, o=opt, r=result: r.update(r=step(m, o)))
-            rounds[name]["step"].append(time.perf_counter() - t0)
-            rounds[name]["optim"].append(result["r"][1])
-            rounds[name]["transient"].append(mem)
-        del model, opt  # no reference left here: deleting a system below must free it
+    rounds = alternate_rounds(systems, runs, args.steps, step)
     report = {name: _last_step(systems[name], step) for name in SYSTEMS}
     for name in runs:
-        report[name] |= {k: statistics.median(v) for k, v in rounds[name].items()}
+        report[name] |= rounds[name]
     for name, static in _static_resident(systems).items():
         report[name]["static"] = static
     everyone: list[Any] = [None] * world

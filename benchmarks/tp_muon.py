@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from measure import Both
 from torch import nn
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -34,7 +35,6 @@ from raggedfsdp.optim import Muon, split_muon_params
 __all__ = [
     "ADAMW",
     "MUON",
-    "Both",
     "DTensorCollectives",
     "GatherMuon",
     "optimizer",
@@ -44,23 +44,6 @@ __all__ = [
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
 ADAMW = {"lr": 1e-3, "weight_decay": 0.1}  # torch's AdamW defaults otherwise (betas, eps)
 BETAS = (0.9, 0.999)  # torch.optim.AdamW's default, given to our Muon's AdamW groups
-
-
-class Both(torch.optim.Optimizer):
-    """A Muon on the matrices and AdamW on the rest, stepped as one optimizer."""
-
-    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
-        self.optimizers = optimizers
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
-        super().__init__(params, {})
-
-    def step(self, closure: Any = None) -> None:
-        for o in self.optimizers:
-            o.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for o in self.optimizers:
-            o.zero_grad(set_to_none)
 
 
 class GatherMuon(torch.optim.Optimizer):

@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -54,7 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from measure import CollectiveBytes, init_gloo, peak_above_now, spawn_ranks, status_kib
+from measure import CollectiveBytes, alternate_rounds, init_gloo, spawn_ranks, status_kib
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -178,25 +177,6 @@ def _static_resident(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     return static
 
 
-def _rounds(systems: dict[str, dict[str, Any]], steps: int, step) -> dict[str, dict[str, float]]:
-    """``steps`` alternating rounds, the order rotating: medians of step time and transient."""
-    names = list(systems)
-    keys = ("step", "optim", "transient")
-    rounds: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in names}
-    for i in range(steps):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            model, opt = systems[name]["model"], systems[name]["opt"]
-            dist.barrier()
-            t0 = time.perf_counter()
-            out: dict[str, tuple[float, float]] = {}
-            mem = peak_above_now(lambda m=model, o=opt, r=out: r.update(r=step(m, o)))
-            rounds[name]["step"].append(time.perf_counter() - t0)
-            rounds[name]["optim"].append(out["r"][1])
-            rounds[name]["transient"].append(mem)
-        del model, opt  # no reference left here: deleting a system below must free it
-    return {n: {k: statistics.median(v) for k, v in r.items()} for n, r in rounds.items()}
-
-
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     init_gloo(rank, world, port)
     dp_rank = rank // args.tp  # tp is the mesh's last dim: a TP group is neighbouring ranks
@@ -216,7 +196,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         built[name] = {"model": model, "opt": opt}
         built[name]["static_tensors"] = tensor_bytes(model, opt) / 2**20
         del model, opt
-    report: dict[str, Any] = _rounds(built, args.steps, step)
+    report: dict[str, Any] = alternate_rounds(built, list(built), args.steps, step)
     for name, system in built.items():
         report[name] |= _counted_step(system["model"], system["opt"], step)
         report[name]["static_tensors"] = system["static_tensors"]
