@@ -173,7 +173,8 @@ def _colwise_or_replicated(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, p) for n, p in model.named_parameters() if "wo" not in n and "w2" not in n]
 
 
-def _adamw8bit_state(opt, named) -> dict:
+def _full_state(opt, named) -> dict:
+    """Every state tensor but the step counters, gathered whole (global coordinates)."""
     return {
         f"{n}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value
         for n, p in named
@@ -187,7 +188,7 @@ def _adamw8bit_on_tp(dims: tuple[int, ...], grads: dict, config: dict, only_colw
     named = _colwise_or_replicated(model) if only_colwise else list(model.named_parameters())
     opt = AdamW8bit(named, **_adamw8bit(**config))
     _step_with(named, grads, opt)
-    return {"params": {n: p.full_tensor() for n, p in named}, "state": _adamw8bit_state(opt, named)}
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": _full_state(opt, named)}
 
 
 CONFIGS_8BIT = {"tiles": ({"tile": (4, 4)}, False), "blocks": ({"block_size": 64}, True)}
@@ -206,7 +207,7 @@ def test_adamw8bit_step_is_bitwise_one_process_on_tp_parameters(dist_pool, dims,
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in named}
     opt = AdamW8bit(named, **_adamw8bit(**options))
     _step_with(named, grads, opt)
-    expected = _adamw8bit_state(opt, named)
+    expected = _full_state(opt, named)
     assert any(key.endswith("_absmax") for key in expected)  # 8-bit state, not the fallback
     for result in dist_pool(4).run(_adamw8bit_on_tp, dims, grads, options, only_colwise):
         for n, p in named:
@@ -253,7 +254,7 @@ def _adamw8bit_dcp(path: str, dims: tuple[int, ...], grads: dict | None) -> dict
         state = {"optim": opt.state_dict()}
         dcp.load(state, checkpoint_id=path)
         opt.load_state_dict(state["optim"])
-    return _adamw8bit_state(opt, named)
+    return _full_state(opt, named)
 
 
 def test_adamw8bit_tp_state_reshards_with_dcp(dist_pool, tmp_path):
@@ -331,15 +332,6 @@ def _blocked_options(name: str) -> dict:
     return options | ({"precondition_frequency": 1} if name == "Shampoo" else {})
 
 
-def _blocked_state(opt, named) -> dict:
-    return {
-        f"{n}.{key}": value.full_tensor() if hasattr(value, "full_tensor") else value
-        for n, p in named
-        for key, value in opt.state[p].items()
-        if key != "step"
-    }
-
-
 def _blocked_on_tp(dims: tuple[int, ...], grads: dict, name: str) -> dict:
     cls = BLOCKED[name]
     policy = cls.shard_policy(max_preconditioner_dim=BLOCK)
@@ -347,7 +339,7 @@ def _blocked_on_tp(dims: tuple[int, ...], grads: dict, name: str) -> dict:
     named = list(model.named_parameters())
     opt = cls(named, **_blocked_options(name))
     _step_with(named, grads, opt)
-    return {"params": {n: p.full_tensor() for n, p in named}, "state": _blocked_state(opt, named)}
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": _full_state(opt, named)}
 
 
 @pytest.mark.parametrize("name", BLOCKED)
@@ -362,7 +354,7 @@ def test_blocked_step_equals_one_process_on_tp_parameters(dist_pool, dims, name)
     grads = {n: torch.randn(p.shape, generator=gen) for n, p in named}
     opt = BLOCKED[name](named, **_blocked_options(name))
     _step_with(named, grads, opt)
-    expected = _blocked_state(opt, named)
+    expected = _full_state(opt, named)
     for result in dist_pool(4).run(_blocked_on_tp, dims, grads, name):
         for n, p in named:
             assert torch.equal(result["params"][n], p.detach()), n
