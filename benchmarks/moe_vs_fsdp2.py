@@ -24,7 +24,9 @@ same batches. Reported per system and as ratios ours / FSDP2 (lower is better):
 * ``transient``: peak resident memory above the post-warm-up level during a step (ranks
   started with ``MALLOC_*`` set, ``VmHWM`` reset before the step: ``measure.py``), median;
   memory figures are the maximum over ranks (FSDP2's first ranks hold whole chunks);
-* final losses and their difference;
+* final losses and their difference, and with AdamW the same loss trained in one process on
+  every rank's batch (``one_process_loss``), to tell a gap between the systems from both
+  drifting;
 * with ``--optimizer muon``: ours is ``raggedfsdp.optim.Muon`` (hidden matrices and every
   fused expert orthogonalised per expert; embedding, head and norms on AdamW) with the bytes
   its owner exchange moved (``last_step_stats``, summed over ranks) and the Muon matrices
@@ -33,12 +35,22 @@ same batches. Reported per system and as ratios ours / FSDP2 (lower is better):
   the 3-D fused experts included: torch's Muon takes 2-D parameters only and a DTensor
   sharded on dim 0 has no per-expert view, so FSDP2 cannot orthogonalise the experts (its
   optimizer does less work than ours).
-  Where torch's Muon fails on FSDP2's shards the error is reported instead.
+  Where torch's Muon fails on FSDP2's shards the error is reported instead. Every AdamW, ours
+  inside Muon and torch's, runs with the same ``ADAMW`` settings (betas, eps, lr, decay).
+* with ``--ep N`` (expert parallelism, ``recipes/llama/expert_parallel.py``): the fused
+  experts are ``Shard(0)`` DTensors over an ``ep`` dim of the ``(dp_shard_mod_ep, ep)`` mesh and
+  tokens reach them by all-to-all (the recipe's ``dispatch``, the same code on both sides).
+  Ours wraps each MoE block with ``shard_ep_block`` (our ``fully_shard`` on the experts over
+  ``dp_shard_mod_ep``, then on the block over every rank), FSDP2's with
+  ``shard_ep_block_fsdp2`` (torch's ``fully_shard``, torchtitan's wrapping); the dense blocks
+  and the root over every rank on both. ``all_to_all``: calls and bytes this rank sends
+  (``dist.all_to_all_single`` inputs, the count exchanges included).
 
     python benchmarks/moe_vs_fsdp2.py [--world-size 4] [--experts 6] [--mixed-precision]
         [--optimizer {adamw,muon}] [--steps 8] [--dim 256] [--layers 4] [--moe-hidden 256]
         [--shared-experts 1] [--dense-layers 1] [--vocab 4096] [--batch 2] [--seq 64]
-    python benchmarks/moe_vs_fsdp2.py --part capacity --world-size 4 --batch 1 --seq 8
+    python benchmarks/moe_vs_fsdp2.py --ep 2 [--world-size 4 --experts 6] [--optimizer muon]
+    python benchmarks/moe_vs_fsdp2.py --part capacity --world-size 4 --batch 1 --seq 8 [--ep 2]
 """
 
 from __future__ import annotations
@@ -50,6 +62,9 @@ import json
 import math
 import sys
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +85,14 @@ from torch import nn
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the recipe's model, for a script run from benchmarks/
     sys.path.insert(0, str(REPO))
-from recipes.llama.moe import MoETransformer  # noqa: E402
+from raggedfsdp.sharding.ep_split import check_ep, ep_complement  # noqa: E402
+from recipes.llama.moe import MoEBlock, MoETransformer  # noqa: E402
 from recipes.llama.moe_config import MoEConfig  # noqa: E402
 
 SYSTEMS = ("ours", "fsdp2")
 MUON = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
-ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+#: torch.optim.AdamW's settings on FSDP2's side, and our Muon's AdamW groups' (``adamw_*``).
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.999), "eps": 1e-8}
 
 
 def config(args: argparse.Namespace) -> MoEConfig:
@@ -111,16 +128,42 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kwargs: dict[str, Any] = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
+    kwargs: dict[str, Any] = {}
     if args.mixed_precision:
         kwargs["mp_policy"] = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
     if system == "ours" and args.optimizer == "muon":
         kwargs["shard_policy"] = Muon.shard_policy()
     model = make_model(args)
-    for layer in model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
+    if args.ep > 1:
+        wrap_ep(system, model, args.ep, fully_shard, kwargs)
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
     return model, optimizer(system, model, args)
+
+
+def wrap_ep(system: str, model: nn.Module, ep: int, fully_shard, kwargs: dict[str, Any]) -> None:
+    """``model`` under expert parallelism, as the recipe wraps it: the experts ``Shard(0)`` over
+    ``ep``, each MoE block by ``shard_ep_block`` (ours) or ``shard_ep_block_fsdp2`` (FSDP2 x EP,
+    torchtitan's), the dense blocks and the root over every rank."""
+    from recipes.llama.expert_parallel import (
+        distribute_experts,
+        ep_meshes,
+        shard_ep_block,
+        shard_ep_block_fsdp2,
+    )
+
+    mesh, dp = ep_meshes(ep)
+    distribute_experts(model, mesh["ep"])
+    shard_block = shard_ep_block if system == "ours" else shard_ep_block_fsdp2
+    for layer in model.layers:
+        if isinstance(layer, MoEBlock):
+            shard_block(layer, mesh, dp, **kwargs)
+        else:
+            fully_shard(layer, mesh=dp, **kwargs)
+    fully_shard(model, mesh=dp, **kwargs)
 
 
 def optimizer(system: str, model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -130,7 +173,8 @@ def optimizer(system: str, model: nn.Module, args: argparse.Namespace) -> torch.
         return torch.optim.AdamW(model.parameters(), **ADAMW)
     groups = split_muon_params(model)
     if system == "ours":
-        return Muon(groups, **MUON, adamw_lr=ADAMW["lr"])
+        adamw = {"adamw_lr": ADAMW["lr"], "adamw_betas": ADAMW["betas"], "adamw_eps": ADAMW["eps"]}
+        return Muon(groups, **MUON, **adamw)
     matrices = [p for g in groups if g["use_muon"] for _, p in g["params"] if p.ndim == 2]
     rest = [p for p in model.parameters() if all(p is not q for q in matrices)]
     return Both(torch.optim.Muon(matrices, **MUON), torch.optim.AdamW(rest, **ADAMW))
@@ -162,6 +206,28 @@ def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
             for value in state.values():
                 add(value)
     return sum(storages.values())
+
+
+def rank_tokens(args: argparse.Namespace, rank: int) -> torch.Tensor:
+    """The batch rank ``rank`` trains on at every step (its own seed)."""
+    gen = torch.Generator().manual_seed(rank)
+    return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+
+
+def one_process_loss(args: argparse.Namespace) -> float:
+    """What an AdamW run's reported loss is in one process: the model trained on every rank's
+    batch at once for the steps each system took before its counted one (2 warm-up, the
+    rounds), then rank 0's loss (the report is rank 0's). Both systems are judged by how far
+    they land from it, so a gap between them can be told apart from both drifting."""
+    model = make_model(args)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    step = _round(args, torch.cat([rank_tokens(args, r) for r in range(args.world_size)]))
+    for _ in range(2 + args.steps):
+        step(model, opt)
+    tokens = rank_tokens(args, 0)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).item()
 
 
 def _round(args: argparse.Namespace, tokens: torch.Tensor):
@@ -228,8 +294,7 @@ def _warm_up(args: argparse.Namespace, step) -> None:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     init_gloo(rank, world, port)
-    gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens = rank_tokens(args, rank)
     step = _round(args, tokens)
     _warm_up(args, step)
     systems = _build(args, step)
@@ -261,7 +326,8 @@ def _last_step(system: dict[str, Any], step) -> dict[str, Any]:
         return entry
     model, opt = system["model"], system["opt"]
     counter = CollectiveBytes()
-    with counter.counting():
+    ep_groups = [m.ep_mesh.get_group() for m in model.modules() if hasattr(m, "ep_mesh")]
+    with counter.counting(), counting_all_to_all(counter, ep_groups):
         entry["loss"] = step(model, opt)[0]
     entry["calls"] = dict(counter.calls)
     entry["bytes"] = {k: v / 2**20 for k, v in counter.bytes.items()}
@@ -270,6 +336,28 @@ def _last_step(system: dict[str, Any], step) -> dict[str, Any]:
         entry["optimizer_bytes"] = stats["bytes_sent"] + stats["bytes_received"]
         entry["muon_cut"] = muon_cut(model, opt)
     return entry
+
+
+@contextmanager
+def counting_all_to_all(counter: CollectiveBytes, groups: list[Any]) -> Iterator[Counter[str]]:
+    """Count EP's ``dist.all_to_all_single`` calls (those over one of the EP ``groups``) into
+    ``counter`` as ``all_to_all``: calls and the bytes this rank sends (its input, the part it
+    keeps for itself included), the token dispatch, the combine, their backward and the count
+    exchanges alike. Our Muon's owner exchange is an all-to-all too, over other groups: it is
+    reported as ``optimizer_bytes``, not here."""
+    original = dist.all_to_all_single
+
+    def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if any(kwargs.get("group") is g for g in groups):
+            counter.calls["all_to_all"] += 1
+            counter.bytes["all_to_all"] += input.numel() * input.element_size()
+        return original(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        yield counter.calls
+    finally:
+        dist.all_to_all_single = original
 
 
 def muon_cut(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
@@ -308,7 +396,13 @@ def predicted(args: argparse.Namespace) -> dict[str, float]:
     from raggedfsdp.capacity import Mesh, Precision, Settings, estimate, parse_shapes
 
     param = "bfloat16" if args.mixed_precision else "float32"
-    settings = Settings(Mesh(1, args.world_size), precision=Precision(param=param), backend="gloo")
+    settings = Settings(
+        Mesh(1, args.world_size, 1, args.ep),
+        precision=Precision(param=param),
+        backend="gloo",
+        tokens_per_rank=args.batch * args.seq,
+        top_k=args.top_k,
+    )
     est = estimate(parse_shapes(model_shapes(args), "moe_vs_fsdp2"), settings)
     return {k: v / 2**20 for k, v in est.memory.items()} | {"peak_phase": est.peak_phase}
 
@@ -317,8 +411,7 @@ def _capacity_worker(rank: int, world: int, port: int, args: argparse.Namespace,
     """Ours only: this rank's live tensor bytes between steps and their peak during a step
     (the profiler's allocator events), the quantities the planner estimates."""
     init_gloo(rank, world, port)
-    gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
+    tokens = rank_tokens(args, rank)
     step = _round(args, tokens)
     model, opt = build("ours", args)
     for _ in range(2):
@@ -352,7 +445,7 @@ def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
     """ours / FSDP2 of every figure both have."""
     keys = ("step", "optim", "static", "static_tensors", "transient")
     out = {k: ours[k] / peer[k] for k in keys if k in ours and k in peer and peer[k]}
-    for kind in ("all_gather", "reduce_scatter"):
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
         if kind in ours.get("bytes", {}) and peer.get("bytes", {}).get(kind):
             out[f"{kind}_bytes"] = ours["bytes"][kind] / peer["bytes"][kind]
     return out
@@ -360,8 +453,9 @@ def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
 
 def print_table(result: dict[str, Any]) -> None:
     ours, peer, a = result["ours"], result["fsdp2"], result["args"]
+    ep = f" x ep {a['ep']}" if a.get("ep", 1) > 1 else ""
     print(
-        f"\nW={a['world_size']}, E={a['experts']}, {result['params'] / 1e6:.1f}M parameters, "
+        f"\nW={a['world_size']}{ep}, E={a['experts']}, {result['params'] / 1e6:.1f}M parameters, "
         f"{'bf16/fp32' if a['mixed_precision'] else 'fp32'}, {a['optimizer']}, "
         f"medians of {a['steps']} rounds"
     )
@@ -379,6 +473,11 @@ def print_table(result: dict[str, Any]) -> None:
         ("static tensor bytes (MiB)", lambda r: r["static_tensors"]),
         ("transient peak (MiB)", lambda r: r["transient"]),
     ]
+    if ep:
+        rows[5:5] = [
+            ("EP all-to-all MiB sent / step", lambda r: r["bytes"].get("all_to_all", 0.0)),
+            ("EP all-to-alls / step", lambda r: r["calls"].get("all_to_all", 0)),
+        ]
     for label, get in rows:
         mine, theirs = get(ours), get(peer)
         ratio = f"{mine / theirs:8.2f}" if theirs else f"{'':8s}"
@@ -386,7 +485,10 @@ def print_table(result: dict[str, Any]) -> None:
     if "optimizer_bytes" in ours:
         print(f"Muon owner exchange (ours, bytes all ranks moved): {ours['optimizer_bytes']}")
         print(f"Muon matrices cut between ranks (ours; experts each count): {ours['muon_cut']}")
-    print(f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f}")
+    print(f"final loss: raggedfsdp {ours['loss']:.6f}, FSDP2 {peer['loss']:.6f}", end="")
+    if "one_process_loss" in result:
+        print(f", one process (fp32) {result['one_process_loss']:.6f}", end="")
+    print()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -406,6 +508,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
     parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert parallelism: experts over an ep dim, FSDP over the world / ep ranks left "
+        "(FSDP2 x EP on the other side); must divide --world-size and --experts",
+    )
+    parser.add_argument(
         "--part",
         choices=("compare", "capacity"),
         default="compare",
@@ -419,6 +528,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     if args.world_size < 2:
         parser.error(f"--world-size {args.world_size}: compare at 2 ranks or more")
+    if args.ep != 1:
+        try:  # the runtime's own rules, before any process starts
+            check_ep(args.experts, args.ep)
+            ep_complement(args.world_size, args.ep)
+        except ValueError as e:
+            parser.error(f"--ep {args.ep}: {e}")
     return args
 
 
@@ -433,6 +548,8 @@ def main() -> None:
     if report["fsdp2"]["error"] is None:
         result["ratio"] = ratios(report["ours"], report["fsdp2"])
         result["loss_diff"] = abs(report["ours"]["loss"] - report["fsdp2"]["loss"])
+    if args.optimizer == "adamw":
+        result["one_process_loss"] = one_process_loss(args)
     print(json.dumps(result))
     print_table(result)
 

@@ -43,6 +43,7 @@ EXAMPLES = """examples:
   {prog} plan llama3-70b --world-size 1024
   {prog} plan deepseek-v3 --mesh 8x256 --unit-rows 128 --optimizer adamw8bit
   {prog} plan llama3-70b --mesh 4x32x8
+  {prog} plan deepseek-v3 --mesh dp_replicate=1,dp_shard=256,ep=32 --top-k 8
   {prog} plan path/to/config.json -w 64 --experts fused --optimizer muon --json
   {prog} plan shapes.json --model my-model -w 8 --gpu-memory 80
   {prog} plan deepseek-v3 -w 256 --all-gather fp8
@@ -164,7 +165,20 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument(
         "--mesh",
         help="HSDP mesh REPLICATExSHARD, e.g. 4x256, or REPLICATExSHARDxTP with a "
-        "tensor-parallel dim (torchtitan's Llama plan), e.g. 4x32x8",
+        "tensor-parallel dim (torchtitan's Llama plan), e.g. 4x32x8, or torchtitan's dim names "
+        "with an expert-parallel dim borrowed from dp_shard, e.g. "
+        "dp_replicate=1,dp_shard=16,ep=8 (tp= too)",
+    )
+    parser.add_argument(
+        "--top-k",
+        type=_positive_int,
+        help="with an ep dim: routed experts per token (num_experts_per_tok), for the all-to-all",
+    )
+    parser.add_argument(
+        "--tokens-per-rank",
+        type=_positive_int,
+        default=4096,
+        help="with an ep dim: tokens each rank routes per step (batch x sequence; default 4096)",
     )
     parser.add_argument(
         "--unit",
@@ -236,6 +250,8 @@ def _settings(args: argparse.Namespace) -> Settings:
         reshard_after_forward=not args.no_reshard_after_forward,
         backend=args.backend,
         all_gather=args.all_gather,
+        tokens_per_rank=args.tokens_per_rank,
+        top_k=args.top_k,
     )
 
 

@@ -34,6 +34,14 @@ With a tp dim (``Mesh.tp > 1``) every group is planned as one TP rank holds it
 the rest is replicated), so every quantity above is per rank of the whole mesh; traffic is
 over the data-parallel dims only, since TP's activation collectives depend on the batch.
 
+With an ep dim (``Mesh.ep > 1``) each MoE group is first split into its block's group and its
+experts' (:func:`~raggedfsdp.capacity.ep_plan.ep_local_model`: ``E / ep`` experts per EP rank),
+and each group is planned over the ranks it is sharded over, ``dp_shard`` or, for the experts,
+``dp_shard_mod_ep``: its gathered buffers and collectives span that many ranks, and its
+per-rank arrays are mapped onto ``dp_shard``'s ranks (``ep_plan.ep_ranks``). The traffic adds
+the token all-to-all (``ep_plan.all_to_all_bytes``: a stated tokens per rank and top-k,
+uniform routing).
+
 Traffic per rank per step is bytes each rank sends (and receives) with ring algorithms: an
 all-gather or reduce-scatter of a ``W * S`` buffer moves ``(W - 1) * S`` elements per rank; the
 HSDP replicate all-reduce moves ``2 (R - 1) / R * S``. ZeRO-3 gathers every non-root group twice
@@ -51,6 +59,14 @@ from typing import Any
 
 import numpy as np
 
+from raggedfsdp.capacity.ep_plan import (
+    MoELayer,
+    all_to_all_bytes,
+    ep_local_model,
+    ep_ranks,
+    moe_layers,
+    shard_ranks,
+)
 from raggedfsdp.capacity.float8 import (
     ALL_GATHER_KINDS,
     FORMATS,
@@ -127,6 +143,23 @@ class Estimate:
     notes: list[str]
     elapsed_s: float
     float8: dict[str, Any] | None = None  # --all-gather fp8|mxfp8 (see ``_float8``)
+    moe: list[MoELayer] = dataclasses.field(default_factory=list)  # with an ep dim
+
+    def _expert_parallel(self) -> dict[str, Any]:
+        """The ep dim's own keys of ``to_dict``: what the all-to-all assumes, experts per EP
+        rank and the complement group."""
+        s, mesh = self.settings, self.settings.mesh
+        return {
+            "ep": mesh.ep,
+            "dp_shard_mod_ep": shard_ranks(mesh),
+            "tokens_per_rank": s.tokens_per_rank,
+            "top_k": s.top_k,
+            "routing": "uniform",
+            "layers": [
+                {**dataclasses.asdict(layer), "experts_per_ep_rank": layer.n_experts // mesh.ep}
+                for layer in self.moe
+            ],
+        }
 
     def to_dict(self) -> dict[str, Any]:
         s, mesh = self.settings, self.settings.mesh
@@ -142,6 +175,7 @@ class Estimate:
                 "replicate": mesh.replicate,
                 "shard": mesh.shard,
                 "tp": mesh.tp,
+                **({"ep": mesh.ep, "dp_shard_mod_ep": shard_ranks(mesh)} if self.moe else {}),
                 "world": mesh.world_size,
             },
             "unit": s.describe_units(),
@@ -162,6 +196,7 @@ class Estimate:
             "muon": None if self.muon is None else self.muon.to_dict(),
             "all_gather": s.all_gather,
             "float8_all_gather_bytes": self.float8,
+            **({"expert_parallel": self._expert_parallel()} if self.moe else {}),
             "groups": [p.to_dict() for p in self.plans],
             "notes": self.notes,
             "planning_time_s": sum(p.layout.planning_time_s for p in self.plans),
@@ -194,7 +229,7 @@ def per_rank(layout: Layout, weights: Sequence[float]) -> np.ndarray:
 def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
     """Plan one group as ``fully_shard`` would: units from the user's policy combined with the
     optimizer's (``resolve_units``), then the optimizer's state on that layout."""
-    world, dtype = settings.mesh.shard, settings.precision.master
+    world, dtype = shard_ranks(settings.mesh, group.experts), settings.precision.master
     policy = gather_policy(shard_policy(settings.units, settings.optimizer), settings.all_gather)
     units = resolve_units(policy, [(name, shape, dtype) for name, shape in group.tensors], world)
     specs = [TensorSpec(name, shape, dtype, units[name]) for name, shape in group.tensors]
@@ -203,13 +238,14 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
     held = per_rank(layout, [1.0] * len(specs))
     pb = settings.precision.bytes("param")
     fp8 = settings.all_gather != "param"
+    state = state_per_rank(layout, group.tensors, settings.optimizer, dtype)
     return GroupPlan(
         group=group,
         instances=instances,
         layout=layout,
         fsdp2_shard=sum(math.prod(s) + fsdp2_padding(s, world) for _, s in group.tensors) // world,
         fsdp2_cut=sum(fsdp2_cuts_units(t.shape, world, t.unit) for t in specs),
-        state=state_per_rank(layout, group.tensors, settings.optimizer, dtype),
+        state=ep_ranks(state, settings.mesh) if group.experts else state,
         empty_ranks=int((held == 0).sum()),
         gather_bytes=(
             payload(layout, pb, settings.all_gather).segment_bytes
@@ -236,10 +272,14 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
             "'experts.'); use --unit-rows K or --unit matrix"
         )
     mesh = settings.mesh
-    local = tp_local_model(model, mesh)
+    split, ep_notes = ep_local_model(model, mesh)
+    local = tp_local_model(split, mesh)
     plans, sequence = _plan_model(local, settings)
     counters = counter_bytes(settings.optimizer, [t for g in local.groups for t in g.tensors])
     memory, phase = _memory(plans, sequence, settings, counters)
+    layers = moe_layers(model) if mesh.ep > 1 else []
+    if layers:
+        memory.update(_expert_memory(plans, settings))
     muon = None
     if settings.optimizer.name == "muon":
         muon = muon_balance(sequence, mesh.shard, settings.optimizer.ns_steps, mesh.tp)
@@ -251,11 +291,12 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
         memory=memory,
         peak_phase=phase,
         padding=_padding(plans, local.numel),
-        traffic=_traffic(sequence, settings),
+        traffic=_traffic(sequence, settings, layers),
         muon=muon,
-        notes=_notes(plans, settings) + tp_notes(model, mesh.tp),
+        notes=_notes(plans, settings) + tp_notes(model, mesh.tp) + ep_notes,
         elapsed_s=time.perf_counter() - t0,
         float8=float8,
+        moe=layers,
     )
 
 
@@ -306,7 +347,7 @@ def _float8(
 
 
 def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[str, float], str]:
-    prec, world = settings.precision, settings.mesh.shard
+    prec = settings.precision
     mb, pb, rb = prec.bytes("master"), prec.bytes("param"), prec.bytes("reduce")
     segments = sum(p.instances * p.segment for p in plans)
     state = sum(p.instances * p.state for p in plans) + counters
@@ -317,16 +358,16 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
     window = [p for p, root in sequence if not root]
     roots = [p for p, root in sequence if root]
     # the FP8 payload lives beside the param-dtype buffer from its gather until unpacked
-    full = [world * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in window]
-    grad_full = [world * p.segment * rb for p in window]
+    full = [_ranks(p) * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in window]
+    grad_full = [_ranks(p) * p.segment * rb for p in window]
     held = [p.layout.numel * pb for p in window]  # a group's fresh gradients, before the copy
     sharded = [p.segment * mb for p in window]
-    root_full = sum(world * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in roots)
+    root_full = sum(_ranks(p) * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in roots)
     # a tied root is read to the end of backward (the embedding's lookup gradient comes last);
     # an untied one only in its own backward, the first, after which it is reduced and freed
     tied = [p for p in roots if not _has_head(p)]
     untied = [p for p in roots if _has_head(p)]
-    root_kept = sum(world * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in tied)
+    root_kept = sum(_ranks(p) * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in tied)
     root_held = sum(p.layout.numel * pb for p in tied)  # their gradients wait for the last one
     root_sharded = sum(p.segment * mb for p in untied)  # reduced before any block's backward
     later = np.concatenate([np.cumsum(sharded[::-1])[::-1][1:], [0.0]]) if window else []
@@ -347,12 +388,12 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
         unsharded = root_kept + root_held + max(params + held[i], flush)
         phases.append((unsharded, later[i] + root_sharded, f"backward of {names[i]}"))
     if tied:
-        root_grads = sum(world * p.segment * rb for p in tied)
+        root_grads = sum(_ranks(p) * p.segment * rb for p in tied)
         phases.append((root_kept + root_held + root_grads, sum(sharded), "backward of the root"))
     for p in untied:  # the head's backward, the last block prefetched beside it
         read = _read_in_backward(p) * pb
         beside = (full[-1] if window else 0.0) + root_kept + root_held
-        flush = read + world * p.segment * rb  # its fresh gradients, then the flat buffer
+        flush = read + _ranks(p) * p.segment * rb  # its fresh gradients, then the flat buffer
         phases.append((beside + max(2 * read, flush), 0.0, "backward of the root"))
     all_grads = segments * mb
     phases.append((0.0, all_grads, "optimizer step"))
@@ -367,6 +408,29 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
     }
     memory = {k: float(v) for k, v in memory.items()}  # plain floats for JSON
     return memory, label
+
+
+def _ranks(plan: GroupPlan) -> int:
+    """The ranks the group is sharded over: ``dp_shard``, or ``dp_shard_mod_ep`` for EP's
+    experts; its gathered buffers hold this many segments."""
+    return plan.layout.world_size
+
+
+def _expert_memory(plans: list[GroupPlan], settings: Settings) -> dict[str, float]:
+    """The EP experts' share of the per-rank memory: their sharded parameters, gradients and
+    optimizer state (the largest rank's), and one experts group gathered (``E / ep`` experts
+    in the param dtype, the buffer a MoE layer's forward holds)."""
+    prec = settings.precision
+    experts = [p for p in plans if p.group.experts]
+    segments = sum(p.instances * p.segment for p in experts)
+    state = sum(p.instances * p.state for p in experts)
+    gathered = max(_ranks(p) * p.segment * prec.bytes("param") for p in experts)
+    return {
+        "expert_params": float(segments * prec.bytes("master")),
+        "expert_grads": float(segments * prec.bytes("master")),
+        "expert_optimizer": float(np.max(state)),
+        "expert_gathered": float(gathered),
+    }
 
 
 #: Module names of output maps: a root group holding one is untied from its embedding.
@@ -415,18 +479,22 @@ def _gathers(root: bool, settings: Settings) -> int:
     return 1 if root or not settings.reshard_after_forward else 2
 
 
-def _traffic(sequence, settings: Settings) -> dict[str, float]:
-    prec, world, rep = settings.precision, settings.mesh.shard, settings.mesh.replicate
+def _traffic(sequence, settings: Settings, layers: list[MoELayer]) -> dict[str, float]:
+    prec, rep = settings.precision, settings.mesh.replicate
     pb, rb = prec.bytes("param"), prec.bytes("reduce")
     ours = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0}
     fsdp2 = dict.fromkeys(ours, 0.0)
     for plan, root in sequence:
-        gathers = _gathers(root, settings)
+        gathers, world = _gathers(root, settings), _ranks(plan)
         for out, seg in ((ours, plan.segment), (fsdp2, plan.fsdp2_shard)):
             size = plan.gather_bytes if out is ours else seg * pb
             out["all_gather"] += gathers * (world - 1) * size
             out["reduce_scatter"] += (world - 1) * seg * rb
             out["all_reduce"] += 2 * (rep - 1) / rep * seg * rb
+    if layers:  # FSDP2 x EP dispatches the same tokens: the same bytes
+        ours["all_to_all"] = fsdp2["all_to_all"] = all_to_all_bytes(
+            layers, settings.mesh, settings.tokens_per_rank, settings.top_k, pb
+        )
     return {**ours, **{f"fsdp2_{k}": v for k, v in fsdp2.items()}}
 
 

@@ -41,12 +41,15 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Group:
-    """One FSDP communication group (one ``fully_shard`` call), ``repeat`` times in a row."""
+    """One FSDP communication group (one ``fully_shard`` call), ``repeat`` times in a row.
+    ``experts``: the routed experts of a MoE block under expert parallelism, sharded over the
+    ``dp_shard_mod_ep`` ranks instead of all of ``dp_shard`` (``capacity/ep_plan.py``)."""
 
     name: str
     repeat: int
     tensors: tuple[tuple[str, Shape], ...]
     root: bool = False
+    experts: bool = False
 
     @property
     def numel(self) -> int:

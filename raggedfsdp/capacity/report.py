@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from raggedfsdp.capacity.ep_plan import shard_ranks
 from raggedfsdp.capacity.float8 import FORMATS
 from raggedfsdp.capacity.memory import Estimate
 from raggedfsdp.capacity.muon import MuonBalance
@@ -65,11 +66,15 @@ def _settings(est: Estimate) -> list[str]:
 
 
 def _mesh(mesh: Mesh) -> str:
-    """The mesh's sizes and dim names; the tp dim only when there is one, so a mesh without
-    one reads as it always has."""
+    """The mesh's sizes and dim names; the tp and ep dims only when there are some, so a mesh
+    without them reads as it always has."""
     if mesh.tp == 1:
-        return f"{mesh.replicate} x {mesh.shard} (replicate x shard)"
-    return f"{mesh.replicate} x {mesh.shard} x {mesh.tp} (replicate x shard x tp)"
+        text = f"{mesh.replicate} x {mesh.shard} (replicate x shard)"
+    else:
+        text = f"{mesh.replicate} x {mesh.shard} x {mesh.tp} (replicate x shard x tp)"
+    if mesh.ep > 1:
+        text += f", ep {mesh.ep} of the shard ranks (dp_shard_mod_ep {shard_ranks(mesh)})"
+    return text
 
 
 def _memory(est: Estimate, gpu_memory_gib: float | None) -> list[str]:
@@ -89,6 +94,8 @@ def _memory(est: Estimate, gpu_memory_gib: float | None) -> list[str]:
     ]
     lines = ["Per-rank memory", *_table(["", "bytes"], rows)[1:]]
     lines.append("  (activations and optimizer-step temporaries are not included)")
+    if est.moe:
+        lines += _experts(est)
     if gpu_memory_gib is not None:
         left = gpu_memory_gib * GIB - mem["total"]
         verdict = (
@@ -98,6 +105,24 @@ def _memory(est: Estimate, gpu_memory_gib: float | None) -> list[str]:
         )
         lines.append(f"  fits in {gpu_memory_gib:g} GiB: {verdict}")
     return lines
+
+
+def _experts(est: Estimate) -> list[str]:
+    """The EP experts' share of the memory above: which experts a rank holds, over how many
+    ranks they are sharded, and one experts group gathered."""
+    mem, mesh = est.memory, est.settings.mesh
+    held = ", ".join(f"{m.name}: {m.n_experts // mesh.ep} of {m.n_experts}" for m in est.moe)
+    rows = [
+        ["sharded parameters", format_bytes(mem["expert_params"])],
+        ["sharded gradients", format_bytes(mem["expert_grads"])],
+        ["optimizer state (max rank)", format_bytes(mem["expert_optimizer"])],
+        ["one experts group gathered", format_bytes(mem["expert_gathered"])],
+    ]
+    return [
+        f"  of which experts ({held} per EP rank, sharded over dp_shard_mod_ep = "
+        f"{shard_ranks(mesh)} ranks)",
+        *("  " + line for line in _table(["", "bytes"], rows)[1:]),
+    ]
 
 
 def _padding(est: Estimate) -> list[str]:
@@ -118,11 +143,22 @@ def _traffic(est: Estimate) -> list[str]:
         ["reduce-scatter", t["reduce_scatter"], t["fsdp2_reduce_scatter"]],
         ["all-reduce (replicate dim)", t["all_reduce"], t["fsdp2_all_reduce"]],
     ]
+    if est.moe:
+        rows.append(["all-to-all (EP dispatch + combine)", t["all_to_all"], t["fsdp2_all_to_all"]])
     cells = [[label, format_bytes(ours), format_bytes(fsdp2)] for label, ours, fsdp2 in rows]
+    peer = "FSDP2 x EP" if est.moe else "FSDP2"
     lines = [
         "Traffic per rank per step (bytes sent; as many received)",
-        *_table(["", "raggedfsdp", "FSDP2"], cells),
+        *_table(["", "raggedfsdp", peer], cells),
     ]
+    if est.moe:
+        s = est.settings
+        lines.append(
+            f"  (all-to-all: {s.tokens_per_rank:,} tokens per rank, top-{s.top_k}, uniform "
+            f"routing ({s.mesh.ep - 1}/{s.mesh.ep} of the rows leave the rank), forward and "
+            "backward, the count exchange included; activation checkpointing's recompute adds "
+            "a forward's share)"
+        )
     if est.settings.mesh.tp > 1:
         lines.append(
             "  (over the data-parallel dims, FSDP2 x TP alike; tensor-parallel activation "

@@ -15,7 +15,8 @@ Face's names alike:
   ``embed_tokens``) ``Shard(0)``, over the vocabulary;
 * replicated: norms (``SequenceParallel``), routers, DeepSeek's low-rank ``q_a_proj`` and
   ``kv_a_proj_with_mqa`` (torchtitan's ``NoParallel``) and every other tensor;
-* MoE experts are not split by TP (expert parallelism is not modelled): whole on every TP rank.
+* MoE experts are not split by TP: whole on every TP rank (an ep dim splits them over EP ranks,
+  ``capacity/ep_plan.py``).
 
 The rule reads a tensor's name and number of dims only, so it gives the same answer on the
 global and the TP-local shape. Shapes, units and notes of the split come from
@@ -103,7 +104,7 @@ def tp_local_model(model: ModelShapes, mesh: Mesh) -> ModelShapes:
                 f"--mesh {dataclasses.replace(mesh, tp=best).text}"
             )
     groups = tuple(
-        Group(g.name, g.repeat, tuple((n, _local(n, s, degree)) for n, s in g.tensors), g.root)
+        dataclasses.replace(g, tensors=tuple((n, _local(n, s, degree)) for n, s in g.tensors))
         for g in model.groups
     )
     return ModelShapes(model.name, model.source, groups)
@@ -145,5 +146,6 @@ def tp_notes(model: ModelShapes, degree: int) -> list[str]:
         return []
     return [
         f"{experts:,} expert tensors are not split by TP: torchtitan's dense plan keeps each "
-        f"whole on every one of the {degree} TP ranks (expert parallelism is not modelled)"
+        f"whole on every one of the {degree} TP ranks (an ep dim in --mesh splits them over "
+        "EP ranks instead)"
     ]

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp.comm import ShardMesh, resolve_mesh
 from raggedfsdp.comm.mesh import dp_submesh
+from raggedfsdp.fsdp.dtype_groups import DtypeGroups, build_by_dtype
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.param_group import ParamGroup, is_plain_embedding_weight
@@ -343,10 +344,11 @@ def fully_shard(
 
 def _form_groups(
     params: list[ManagedParam], owner: str, build: Callable[[list[ManagedParam]], ParamGroup]
-) -> tuple[ParamGroup | None, ParamGroup | None]:
+) -> tuple[ParamGroup | DtypeGroups | None, ParamGroup | DtypeGroups | None]:
     """Shard ``params`` as the call's main group and, when there are other parameters too, a
     group of their own for the weights of embedding lookups: backward reads none of them, so
-    they need not stay gathered with (or be gathered again like) the rest.
+    they need not stay gathered with (or be gathered again like) the rest. Either is planned
+    as one group per dtype when its parameters have several (``DtypeGroups``).
 
     If a group fails to build, the modules get their original parameters back (the first group
     may already have put its sharded ones in place). Both the original and the sharded tensors
@@ -360,8 +362,8 @@ def _form_groups(
     if not others:
         lookups, others = [], lookups
     try:
-        main = build(others) if others else None
-        forward_only = build(lookups) if lookups else None
+        main = build_by_dtype(others, build) if others else None
+        forward_only = build_by_dtype(lookups, build) if lookups else None
     except Exception:
         for mp, original in zip(params, originals, strict=True):
             for module, name in mp.locations:

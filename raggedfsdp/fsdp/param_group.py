@@ -71,21 +71,23 @@ class ParamGroup:
         self.name = name  # for error messages; the root renames groups to module paths
         self.params = params
         self.mesh = mesh
-        self.mp_policy = mp_policy
         self.offload = offload
         self._comm_streams = comm_streams
         first = params[0].original
         self.device, self.orig_dtype = first.device, first.dtype
-        for mp in params[1:]:
+        # FSDP2's rule: param_dtype, reduce_dtype and FP8 gathers apply to float parameters;
+        # integer and bool ones (frozen) are gathered as they are
+        self.mp_policy = mp_policy if first.dtype.is_floating_point else MixedPrecisionPolicy()
+        for mp in params[1:]:  # one dtype per group: fully_shard splits a call by dtype
             p = mp.original
             if p.device != self.device or p.dtype != self.orig_dtype:
                 raise ValueError(
                     f"parameter {mp.fqn!r} is {p.dtype} on {p.device} but {params[0].fqn!r} is "
-                    f"{self.orig_dtype} on {self.device}: one fully_shard group holds one dtype on "
-                    "one device. Move/cast the module first, or wrap the differing submodule "
-                    "in its own fully_shard call."
+                    f"{self.orig_dtype} on {self.device}: one flat buffer holds one dtype on "
+                    "one device (fully_shard plans each dtype into its own). Move the module "
+                    "first, or wrap the differing submodule in its own fully_shard call."
                 )
-        fp8 = mp_policy.all_gather
+        fp8 = self.mp_policy.all_gather
         if fp8 is not None and offload is not None:
             raise ValueError(
                 f"fully_shard group {name!r}: MixedPrecisionPolicy(all_gather={fp8!r}) with "
@@ -93,7 +95,7 @@ class ParamGroup:
                 "packed from the sharded parameters); drop one of them"
             )
         self._plan(shard_policy)
-        compute_dtype = mp_policy.param_dtype or self.orig_dtype
+        compute_dtype = self.mp_policy.param_dtype or self.orig_dtype
         self._float8 = None if fp8 is None else Float8Gather(self.layout, fp8, compute_dtype)
         if fp8 is not None:
             self.notes += float8_notes(self.layout, fp8, compute_dtype, name)
@@ -199,6 +201,11 @@ class ParamGroup:
             mp.unsharded = nn.Parameter(unsharded, mp.requires_grad)
 
     @property
+    def parts(self) -> tuple[ParamGroup, ...]:
+        """The one-dtype groups this group is made of: itself (``DtypeGroups`` has several)."""
+        return (self,)
+
+    @property
     def host_device(self) -> torch.device:
         """Where the sharded parameters and gradients live: the CPU under CPU offload (the
         compute device being ``device``), else ``device`` itself."""
@@ -207,11 +214,18 @@ class ParamGroup:
         return torch.device("cpu")
 
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
-        return failing_as(
-            f"{collective} of fully_shard group {self.name!r} ({len(self.params)} tensors, "
-            f"{self.layout.buffer_numel:,} elements) on shard rank {self.mesh.shard_rank} of "
-            f"{self.mesh.shard_size}"
-        )
+        key = (collective, self.name)  # the text is made once: four collectives per step
+        if key not in self._failure_texts:
+            self._failure_texts[key] = (
+                f"{collective} of fully_shard group {self.name!r} ({len(self.params)} tensors, "
+                f"{self.layout.buffer_numel:,} elements) on shard rank {self.mesh.shard_rank} of "
+                f"{self.mesh.shard_size}"
+            )
+        return failing_as(self._failure_texts[key])
+
+    @functools.cached_property
+    def _failure_texts(self) -> dict[tuple[str, str], str]:
+        return {}
 
     # ----------------------------------------------------------------------------- parameters
     def _install(self, which: str) -> None:
@@ -340,8 +354,8 @@ class ParamGroup:
                 "module.to_empty(device=...) and initialise its parameters (e.g. "
                 "model.init_weights()) before the first forward"
             )
-        stale = self._master_version() != self._gathered_version
-        if stale and (self.is_unsharded or self._post_forward is not None):
+        kept = self.is_unsharded or self._post_forward is not None
+        if kept and self._master_version() != self._gathered_version:  # (a pass over params)
             self.reshard()
         if self.is_unsharded or self._gather is not None:
             if not async_op:
@@ -493,6 +507,9 @@ class ParamGroup:
             self._write_grad(index, self._held.pop(index))
 
     def _write_grad(self, index: int, grad: torch.Tensor) -> None:
+        if torch.is_grad_enabled():  # (in backward it is not: no context per gradient there)
+            with torch.no_grad():
+                return self._write_grad(index, grad)
         if not self.grads.is_full_allocated:
             self.grads.alloc_full()
             self.grads.zero_full_padding()
@@ -501,14 +518,13 @@ class ParamGroup:
         # A custom divide factor scales each gradient before the sum (NCCL's PreMulSum, as
         # FSDP2 does), in the reduce dtype, as it lands in the buffer: no extra pass.
         scale = None if self.gradient_divide_factor is None else 1 / self.gradient_divide_factor
-        with torch.no_grad():
-            if index in self._received:  # accumulation without sync across micro-batches
-                view.add_(grad, alpha=1 if scale is None else scale)
-            else:
-                view.copy_(grad)
-                if scale is not None:
-                    view.mul_(scale)
-                self._received.add(index)
+        if index in self._received:  # accumulation without sync across micro-batches
+            view.add_(grad, alpha=1 if scale is None else scale)
+        else:
+            view.copy_(grad)
+            if scale is not None:
+                view.mul_(scale)
+            self._received.add(index)
 
     def discard_grads(self) -> None:
         """Drop an aborted backward's gradients: held ones, the flat buffer (after its in-flight
@@ -560,6 +576,14 @@ class ParamGroup:
                 )
         self._reduce = (handle, out)
 
+    @functools.cached_property
+    def _segment_pieces(self) -> list[slice]:
+        """Each parameter's piece of this rank's segment (the layout's ``segment_piece``, taken
+        once: the layout and the rank never change), where its sharded ``.grad`` lies."""
+        rank, everything = self.mesh.shard_rank, range(self.layout.segment_size)
+        pieces = [self.layout.segment_piece(mp.fqn, rank, everything) for mp in self.params]
+        return [slice(piece.start, piece.stop) for piece in pieces]
+
     def reduce_completed(self) -> bool:
         return self._reduce is None or self._reduce[0].is_completed()
 
@@ -603,7 +627,7 @@ class ParamGroup:
             for i, mp in enumerate(self.params):
                 if not mp.requires_grad or i not in received:
                     continue
-                local = self.layout.segment_piece(mp.fqn, rank, out)
+                local = out[self._segment_pieces[i]]
                 if mp.sharded.grad is not None:
                     mp.sharded.grad.local.add_(local)
                 else:

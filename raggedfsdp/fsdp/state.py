@@ -107,6 +107,7 @@ class RootContext:
         self.states = states
         self.forward_order: list[FSDPState] = []
         self.order_recorded = False
+        self._positions: dict[FSDPState, int] = {}  # forward_order's index, once recorded
         self.backward_active = False
         self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
         self.final: set[int] = set()  # ids of sharded params whose .grad this backward set
@@ -126,9 +127,14 @@ class RootContext:
 
     def next_after(self, state: FSDPState, step: int) -> FSDPState | None:
         """The state that ran ``step`` places after ``state`` in the last forward."""
-        if not self.order_recorded or state not in self.forward_order:
+        if not self.order_recorded:
             return None
-        i = self.forward_order.index(state) + step
+        if len(self._positions) != len(self.forward_order):  # a lookup, not a scan, per hook
+            self._positions = {s: i for i, s in enumerate(self.forward_order)}
+        i = self._positions.get(state)
+        if i is None:
+            return None
+        i += step
         return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
 
     def next_in_backward(self, state: FSDPState) -> FSDPState | None:
@@ -513,7 +519,7 @@ class FSDPState:
         or recomputing a reentrant checkpoint. It runs before the gradient reaches the module
         that made the inputs, so the group is freed before that one prefetches the next. A
         group whose modules take no such input goes by its gradients (``done_reading``)."""
-        flat, spec = tree_flatten(tree)
+        flat, rebuild = _leaves(tree)
         where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not where:
             self._inputs_pending = None
@@ -523,7 +529,7 @@ class FSDPState:
             for i, tensor in zip(where, watched, strict=True):
                 flat[i] = tensor
         self.group.awaits_inputs = self._inputs_pending is not None
-        return tree_unflatten(flat, spec)
+        return rebuild(flat)
 
     @torch._dynamo.disable
     def _input_grads_done(self, forward_id: int) -> None:
@@ -549,6 +555,17 @@ class _InputsBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         ctx.state._input_grads_done(ctx.forward_id)
         return (None, None, *grads)
+
+
+def _leaves(tree: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[list[Any], Callable]:
+    """A forward's ``(args, kwargs)`` as a list of leaves and the function that rebuilds it from
+    them. The usual call, positional tensors only, needs no pytree walk (a dozen Python calls
+    per module per step)."""
+    args, kwargs = tree
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+        return list(args), lambda flat: (tuple(flat), kwargs)
+    flat, spec = tree_flatten(tree)
+    return flat, lambda flat: tree_unflatten(flat, spec)
 
 
 def _prefetch(groups: list[ParamGroup]) -> None:
@@ -607,7 +624,7 @@ def _check_ranks_agree(states: list[FSDPState]) -> None:
             f"{state.reshard_after_forward}",
         )
         for state in states
-        for g in state.groups
+        for g in (part for group in state.groups for part in group.parts)  # one per dtype
         for mp in g.params
     ]
     check_fingerprint(groups[0].mesh, signatures, what="fully_shard parameter")

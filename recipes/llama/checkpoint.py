@@ -34,7 +34,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 from raggedfsdp.checkpoint import load as safe_load
 from recipes.llama.checkpoint_files import (
@@ -52,6 +56,13 @@ from recipes.llama.config import Config
 from recipes.llama.parallel import Env
 
 __all__ = ["CheckpointError", "Checkpointer", "GracefulStop", "TrainState", "check_checkpoint"]
+
+# The optimizer state keyed by parameter name, hyperparameters included
+# (``param_groups.<fqn>.lr``), not by group index: a pipeline stage holds some of the groups'
+# parameters only, so index-keyed groups would differ between ranks and between (pp, dp)
+# layouts; keyed by name, a checkpoint saved at --pp 2 loads at --pp 1 and back (torchtitan's
+# choice for pipeline parallelism).
+OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 @dataclass
@@ -108,7 +119,7 @@ class Checkpointer:
     def _state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, train: TrainState
     ) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIM_BY_NAME)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -260,7 +271,11 @@ class Checkpointer:
                 "(--resume PATH) or start over with --resume never"
             ) from err
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=OPTIM_BY_NAME,
         )
         torch.set_rng_state(state["train"]["rng"])
         train = state["train"]

@@ -36,7 +36,10 @@ __all__ = [
 ]
 
 MARKER = "meta.json"
-FORMAT = "raggedfsdp-recipe-checkpoint-v1"
+# v2 keys the optimizer state by parameter name (pipeline stages hold different groups); a v1
+# checkpoint (keyed by group index) is refused by name rather than failing inside DCP.
+FORMAT = "raggedfsdp-recipe-checkpoint-v2"
+_INDEX_KEYED = "raggedfsdp-recipe-checkpoint-v1"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -84,6 +87,11 @@ def check_checkpoint(path: Path) -> dict[str, Any]:
         raise _not_a_checkpoint(path)
     try:
         meta = json.loads(marker.read_text())
+        if meta.get("format") == _INDEX_KEYED:
+            raise CheckpointError(
+                f"{path} was saved by an earlier raggedfsdp ({_INDEX_KEYED}: optimizer state keyed "
+                "by group index); resume it with that version, or start over with --resume never"
+            )
         files = meta["files"] if meta.get("format") == FORMAT else None
         if not isinstance(files, dict):
             raise ValueError(f"format {meta.get('format')!r}")

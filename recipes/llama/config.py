@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from recipes.llama.model_config import ConfigError, ModelConfig, MoEConfig
 from recipes.llama.moe_config import MOE_PRESETS, moe_preset
+from recipes.llama.pipeline_checks import check_pp
 
 __all__ = [
     "USAGE_ERROR",
@@ -85,6 +86,14 @@ class Config:
     ep: Annotated[
         int, "MoE: expert-parallel degree (E / ep whole experts per rank, all-to-all)"
     ] = 1
+    pp: Annotated[int, "pipeline-parallel degree (first mesh dim): layers split in stages"] = 1
+    pp_schedule: Annotated[
+        Literal["gpipe", "1f1b", "interleaved"], "--pp: gpipe | 1f1b | interleaved (1F1B)"
+    ] = "1f1b"
+    pp_stages_per_rank: Annotated[int, "--pp-schedule interleaved: stages per pp rank"] = 2
+    microbatches: Annotated[
+        int, "--pp: microbatches per step (0: each dp rank's rows / micro_batch_size)"
+    ] = 0
     mixed_precision: Annotated[Literal["none", "bf16"], "bf16: bf16 compute, fp32 master"] = "none"
     all_gather: Annotated[
         Literal["param", "fp8", "mxfp8"],
@@ -120,6 +129,8 @@ class Config:
             "dp_replicate",
             "tp",
             "ep",
+            "pp",
+            "pp_stages_per_rank",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -134,6 +145,7 @@ class Config:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
         check_ep(self)  # first: --ep with --tp is refused as EP x TP, not as TP of a MoE
         check_tp(self.model, self.seq_len, self.tp, self.all_gather)
+        check_pp(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -142,13 +154,19 @@ class Config:
 def tp_split_dims(model: ModelConfig, seq_len: int) -> dict[str, int]:
     """The sizes ``tensor_parallel``'s plan cuts into ``--tp`` equal parts, by the key that sets
     each."""
-    return {
+    swiglu = "SwiGLU width (model.dim, model.ffn_dim_multiplier, model.multiple_of)"
+    dims = {
         "model.n_heads": model.n_heads,
         "model.n_kv_heads": model.n_kv_heads,
-        "SwiGLU width (model.dim, model.ffn_dim_multiplier, model.multiple_of)": model.ffn_hidden,
+        swiglu: model.ffn_hidden,
         "model.vocab_size": model.vocab_size,
         "seq_len": seq_len,  # sequence-parallel activations between the blocks
     }
+    if isinstance(model, MoEConfig):  # every expert's (and the shared one's) d_ff is split
+        dims["model.moe_hidden"] = model.moe_hidden
+        if model.n_dense_layers == 0:  # no dense SwiGLU to split
+            del dims[swiglu]
+    return dims
 
 
 def _degrees(dims: dict[str, int]) -> str:
@@ -164,11 +182,6 @@ def check_tp(model: ModelConfig, seq_len: int, tp: int, all_gather: str) -> None
     naming ``--tp`` and the fix, while the command line is parsed."""
     if tp == 1:
         return
-    if isinstance(model, MoEConfig):
-        raise ConfigError(
-            f"--tp {tp} with a MoE model: the recipe's TP plan covers the dense model only "
-            "(experts would need expert parallelism); use --tp 1 for MoE"
-        )
     if model.tie_embeddings:
         raise ConfigError(
             f"--tp {tp} with --model.tie-embeddings: the TP plan shards the embedding and the "
@@ -208,22 +221,12 @@ def check_ep(cfg: Config) -> None:
             f"--ep {ep} does not divide model.n_experts={experts} (each EP rank holds "
             f"n_experts / ep whole experts): use --ep {', '.join(fits[:-1])} or {fits[-1]}"
         )
-    unsupported = [
-        (cfg.tp > 1, f"--tp {cfg.tp}", "EP x TP is not supported yet; use --tp 1"),
-        (
-            cfg.fsdp == "fsdp2",
-            "--fsdp fsdp2",
-            "FSDP2 x EP is not supported yet; use --fsdp raggedfsdp",
-        ),
-        (
-            cfg.dp_replicate > 1,
-            f"--dp-replicate {cfg.dp_replicate}",
-            "HSDP x EP is not supported yet; use --dp-replicate 1",
-        ),
-    ]
-    for bad, option, fix in unsupported:
-        if bad:
-            raise ConfigError(f"--ep {ep} with {option}: {fix} (or --ep 1)")
+    if cfg.tp > 1:
+        raise ConfigError(
+            f"--ep {ep} with --tp {cfg.tp}: EP x TP is not supported yet (the experts would be "
+            "DTensors on two mesh dims, which fully_shard does not take); use --tp 1, or --ep 1 "
+            "(--tp alone splits every expert's d_ff)"
+        )
 
 
 def _keys(cls: type) -> dict[str, Any]:

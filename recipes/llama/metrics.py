@@ -99,6 +99,31 @@ def router_metrics(loads: dict[str, torch.Tensor]) -> dict[str, float]:
     }
 
 
+def ep_metrics(loads: dict[str, torch.Tensor], ep: int, sent_bytes: int) -> dict[str, float]:
+    """What ``--ep`` adds to a MoE step's record (``{}`` at ep 1 or for a dense model): the
+    per-EP-rank expert load, from the same loads as ``router_metrics`` (EP rank ``r`` holds
+    experts ``r * E / ep`` to ``(r + 1) * E / ep - 1``), and this rank's all-to-all traffic.
+
+    ``moe/ep_tokens_max`` and ``moe/ep_tokens_mean``: the tokens (token-expert pairs, over all
+    ranks; doubled by activation checkpointing, as the loads are) an EP rank's experts got, the
+    busiest EP rank of any block and the mean over ranks and blocks; ``moe/ep_max_load``: the
+    worst block's busiest EP rank over its mean (1: balanced; ``ep``: one EP rank got every
+    token), the imbalance that sets the slowest EP rank's expert compute. ``all_to_all_mib``:
+    the MiB this rank sent to other EP ranks in the step's dispatch and combine all-to-alls,
+    forward and backward (``expert_parallel.take_all_to_all_bytes``), beside ``all_gather_mib``.
+    """
+    if ep == 1 or not loads:
+        return {}
+    per_rank = torch.stack([load.view(ep, -1).sum(1) for load in loads.values()])  # (blocks, ep)
+    peaks = per_rank.amax(dim=1) / per_rank.mean(dim=1).clamp_min(1e-12)
+    return {
+        "moe/ep_tokens_max": per_rank.max().item(),
+        "moe/ep_tokens_mean": per_rank.mean().item(),
+        "moe/ep_max_load": peaks.max().item(),
+        "all_to_all_mib": sent_bytes / 2**20,
+    }
+
+
 def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
     """Training loss per step and validation loss where measured, to a PNG."""
     import matplotlib

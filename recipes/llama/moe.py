@@ -27,6 +27,8 @@ what is new here is the feed-forward of the MoE blocks:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from recipes.llama.expert_parallel import dispatch
 from recipes.llama.model import Attention, FeedForward, RMSNorm, Transformer
 from recipes.llama.model_config import ModelConfig, MoEConfig
+from recipes.llama.tensor_parallel import moe_tp_forward
 
 __all__ = [
     "Experts",
@@ -59,6 +62,10 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 class Experts(nn.Module):
@@ -119,6 +126,10 @@ class MoEFeedForward(nn.Module):
         # balancing state: buffers, so fully_shard leaves them whole and checkpoints keep them
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(cfg.n_experts))
+        # --tp (tensor_parallel.apply_tp_to_moe): the TP mesh, and whether this rank counts
+        # the tokens (TP ranks route the same ones: counted once)
+        self.tp_mesh = None
+        self.counts_tokens = True
         self.check_shapes()
 
     def check_shapes(self) -> None:
@@ -143,27 +154,38 @@ class MoEFeedForward(nn.Module):
         ids = (scores + self.expert_bias).topk(self.top_k, dim=-1).indices
         weights = scores.gather(-1, ids)
         weights = weights / weights.sum(-1, keepdim=True)
-        if self.training:
+        if self.training and self.counts_tokens:
             self.tokens_per_expert += torch.bincount(ids.flatten(), minlength=self.n_experts)
         return ids, weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None:  # tensor parallelism
+            return moe_tp_forward(self, x)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        out = self.routed(x)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.reshape(shape)
+
+    def routed(
+        self, x: torch.Tensor, enter: Callable[[torch.Tensor], torch.Tensor] = _same
+    ) -> torch.Tensor:
+        """The routed experts' weighted sum for the tokens ``x`` ``(tokens, dim)``. ``enter``
+        is applied to the rows and the routing weights that meet the experts' outputs: the
+        identity, or under TP the one whose backward sums their partial gradients."""
         ids, weights = self.route(x)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         token = order // self.top_k
         counts = torch.bincount(flat, minlength=self.n_experts)
+        rows = enter(x[token])
         if getattr(self.experts, "ep_mesh", None) is not None:  # expert parallelism
-            routed = dispatch(self.experts, x[token], counts)
+            routed = dispatch(self.experts, rows, counts)
         else:
-            routed = self.experts(x[token], counts)
-        routed = routed * weights.flatten()[order, None].to(x.dtype)
-        out = torch.zeros_like(x).index_add_(0, token, routed)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out.reshape(shape)
+            routed = self.experts(rows, counts)
+        routed = routed * enter(weights.flatten()[order, None].to(x.dtype))
+        return torch.zeros_like(x).index_add_(0, token, routed)
 
 
 class MoEBlock(nn.Module):

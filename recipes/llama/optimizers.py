@@ -157,12 +157,16 @@ def param_groups(model: nn.Module, cfg: Config, split_matrices: bool) -> list[di
     return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config, mesh: Any = None) -> torch.optim.Optimizer:
     """The optimizer of ``--optimizer``; one that refuses these parameters (e.g. blocks a
-    tensor-parallel split cuts) is a ConfigError naming the option, before anything trains."""
+    tensor-parallel split cuts) is a ConfigError naming the option, before anything trains.
+    ``mesh``: the ranks that hold the same parameters (a pipeline stage's data-parallel
+    ranks), which raggedfsdp's optimizers check agree; None: every rank."""
     cls = optimizer_class(cfg.optimizer, cfg.fsdp)
     choice = CHOICES[cfg.optimizer]
     kwargs = choice.kwargs(cfg) | choice.layout(cfg)
+    if mesh is not None and cls.__module__.startswith("raggedfsdp."):
+        kwargs["mesh"] = mesh
     try:
         return cls(param_groups(model, cfg, choice.split_matrices), **kwargs)
     except ValueError as err:

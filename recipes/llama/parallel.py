@@ -29,10 +29,18 @@ from raggedfsdp.fsdp import Float8Blocks, MXFP8Blocks
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.state_dict import StateDictOptions, get_model_state_dict
 from recipes.llama.config import Config, ConfigError
-from recipes.llama.expert_parallel import _is_moe, distribute_experts, ep_meshes, shard_ep_block
+from recipes.llama.expert_parallel import (
+    _is_moe,
+    distribute_experts,
+    ep_meshes,
+    fsdp2_clip_grad_norm_,
+    shard_ep_block,
+    shard_ep_block_fsdp2,
+)
 from recipes.llama.model import Transformer
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import model_class
+from recipes.llama.pipeline_checks import check_pp_world
 from recipes.llama.tensor_parallel import apply_tp_to_block, apply_tp_to_root
 
 __all__ = [
@@ -44,6 +52,7 @@ __all__ = [
     "clip_gradients",
     "distributed",
     "failing_together",
+    "fsdp_wrapper",
     "make_env",
     "set_threads",
     "thread_count",
@@ -61,7 +70,9 @@ class Env:
     one data-parallel index compute the same sequences, so they read the same rows.
 
     With ``--ep`` above 1, ``ep_mesh`` is the 2-D ``("dp_shard_mod_ep", "ep")`` mesh and
-    ``mesh`` its flattening (``"dp_shard"``, every rank): every rank is a data-parallel rank of
+    ``mesh`` its flattening (``"dp_shard"``, every rank; with ``--dp-replicate`` the 3-D
+    ``("dp_replicate", "dp_shard_mod_ep", "ep")`` mesh and the 2-D HSDP ``(dp_replicate,
+    dp_shard)``): every rank is a data-parallel rank of
     the dense weights and reads its own rows (the EP ranks see different tokens), so
     ``dp_rank`` / ``dp_size`` are the rank and the world, as without EP."""
 
@@ -72,6 +83,7 @@ class Env:
     mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
     ep_mesh: DeviceMesh | None = None
+    pp_mesh: DeviceMesh | None = None  # --pp above 1: the ranks of one stage's pipeline
 
     @property
     def is_main(self) -> bool:
@@ -96,6 +108,8 @@ class Env:
         meshes = [self.mesh] if self.tp_mesh is None else [self.mesh, self.tp_mesh]
         if self.ep_mesh is not None:
             meshes = [self.ep_mesh]
+        if self.pp_mesh is not None:
+            meshes = [self.pp_mesh, self.mesh]
         return {
             name: size
             for mesh in meshes
@@ -159,23 +173,31 @@ def _pin_gloo_to_loopback() -> None:
 
 
 def make_env(
-    device: torch.device, local_rank: int, replicate: int = 1, tp: int = 1, ep: int = 1
+    device: torch.device,
+    local_rank: int,
+    replicate: int = 1,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
 ) -> Env:
     """This rank's ``Env`` in the default process group: a 1-D ``shard`` mesh, ``(replicate,
     shard)`` for HSDP; with ``tp`` above 1 torchtitan's ``(dp_shard, tp)`` or ``(dp_replicate,
     dp_shard, tp)`` mesh, ``tp`` last so that a TP group is neighbouring ranks; with ``ep``
     above 1 ``expert_parallel.ep_meshes``' ``(dp_shard_mod_ep, ep)`` mesh, the dense weights
-    and the batch over both dims flattened (every rank)."""
+    and the batch over both dims flattened (every rank), ``(dp_replicate, dp_shard_mod_ep,
+    ep)`` with HSDP."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if ep > 1:
-        check_ep_world(ep, world_size)
-        mesh, dp = ep_meshes(ep, device.type, world_size)
+        check_ep_world(ep, world_size, replicate=replicate)
+        mesh, dp = ep_meshes(ep, device.type, world_size, replicate)
         return Env(rank, world_size, local_rank, device, dp, ep_mesh=mesh)
     if world_size % replicate:
         raise ConfigError(
             f"dp_replicate={replicate} must divide the number of processes ({world_size})"
         )
     check_world(tp, replicate, world_size)
+    if pp > 1:  # (pp, [dp_replicate,] dp_shard): pp first, so a stage's dp ranks are neighbours
+        return pipeline_env(device, local_rank, pp, replicate)
     shard = world_size // (replicate * tp)
     if tp > 1:
         dims = ("dp_replicate", "dp_shard", "tp") if replicate > 1 else ("dp_shard", "tp")
@@ -189,6 +211,20 @@ def make_env(
         shape = (replicate, shard)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
     return Env(rank, world_size, local_rank, device, mesh)
+
+
+def pipeline_env(device: torch.device, local_rank: int, pp: int, replicate: int) -> Env:
+    """``--pp``'s ``Env``: the mesh ``(pp, dp_shard)`` or ``(pp, dp_replicate, dp_shard)``;
+    ``mesh`` is the data-parallel part (each stage is ``fully_shard``ed over it) and
+    ``pp_mesh`` this rank's pipeline (one rank per stage)."""
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    check_pp_world(pp, replicate, world_size)
+    shard = world_size // (pp * replicate)
+    dims = ("pp", "dp_replicate", "dp_shard") if replicate > 1 else ("pp", "dp_shard")
+    shape = (pp, replicate, shard) if replicate > 1 else (pp, shard)
+    full = init_device_mesh(device.type, shape, mesh_dim_names=dims)
+    dp = full["dp_replicate", "dp_shard"] if replicate > 1 else full["dp_shard"]
+    return Env(rank, world_size, local_rank, device, dp, pp_mesh=full["pp"])
 
 
 def check_world(tp: int, replicate: int, world_size: int) -> None:
@@ -206,12 +242,21 @@ def check_world(tp: int, replicate: int, world_size: int) -> None:
     )
 
 
-def check_ep_world(ep: int, world_size: int, n_experts: int | None = None) -> None:
+def check_ep_world(
+    ep: int, world_size: int, n_experts: int | None = None, replicate: int = 1
+) -> None:
     """Refuse an ``--ep`` that does not divide the processes (the mesh is ``(processes / ep,
-    ep)``), before the process group is touched; the fix lists the degrees that divide the
-    processes (and ``n_experts``, when given)."""
-    if ep == 1 or world_size % ep == 0:
+    ep)``, ``(dp_replicate, processes / (dp_replicate * ep), ep)`` with HSDP), before the
+    process group is touched; the fix lists the degrees that divide the processes (and
+    ``n_experts``, when given)."""
+    if ep == 1 or world_size % (ep * replicate) == 0:
         return
+    if replicate > 1 and world_size % ep == 0:
+        raise ConfigError(
+            f"--ep {ep} x --dp-replicate {replicate} does not divide the {world_size} processes "
+            f"(the mesh is (dp_replicate, processes / (dp_replicate * ep), ep)): launch a "
+            f"multiple of {ep * replicate} processes, or lower --dp-replicate or --ep"
+        )
     fits = [
         str(d)
         for d in range(1, world_size + 1)
@@ -255,8 +300,9 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
     world = int(os.environ.get("WORLD_SIZE", 1)) if created else dist.get_world_size()
     check_expert_split(cfg, world)
     check_world(cfg.tp, cfg.dp_replicate, world)
+    check_pp_world(cfg.pp, cfg.dp_replicate, world)
     if isinstance(cfg.model, MoEConfig):
-        check_ep_world(cfg.ep, world, cfg.model.n_experts)
+        check_ep_world(cfg.ep, world, cfg.model.n_experts, cfg.dp_replicate)
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ:  # torchrun
@@ -267,7 +313,7 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     together = True
     try:
-        yield make_env(device, local_rank, cfg.dp_replicate, cfg.tp, cfg.ep)
+        yield make_env(device, local_rank, cfg.dp_replicate, cfg.tp, cfg.ep, cfg.pp)
     except agreed:
         raise
     except BaseException:
@@ -314,7 +360,7 @@ def _ragged_kwargs(cfg: Config, policy: ShardPolicy | None) -> dict[str, Any]:
     return {"mp_policy": mp, "shard_policy": policy}
 
 
-def _wrapper(
+def fsdp_wrapper(
     cfg: Config, mesh: DeviceMesh, policy: ShardPolicy | None
 ) -> Callable[[nn.Module], Any]:
     """``fully_shard`` of raggedfsdp or FSDP2 with the run's mesh and mixed precision.
@@ -329,6 +375,14 @@ def _wrapper(
 
     mp2 = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
     return partial(fully_shard, mesh=mesh, mp_policy=mp2)
+
+
+def _shard_ep_block(cfg: Config, env: Env, policy: ShardPolicy | None, block: nn.Module) -> None:
+    """``--ep``'s wrapping of a MoE block, with the keywords ``fsdp_wrapper`` gives the run's
+    FSDP: raggedfsdp's ``shard_ep_block`` or FSDP2's ``shard_ep_block_fsdp2`` (torchtitan's)."""
+    kwargs = {k: v for k, v in fsdp_wrapper(cfg, env.mesh, policy).keywords.items() if k != "mesh"}
+    shard = shard_ep_block if cfg.fsdp == "raggedfsdp" else shard_ep_block_fsdp2
+    shard(block, env.ep_mesh, env.mesh, **kwargs)
 
 
 def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transformer:
@@ -352,7 +406,7 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
     mode still leaves them in element units, since a whole-matrix unit would add padding."""
     with torch.device("meta"):
         model = model_class(cfg.model)(cfg.model, cfg.seq_len, cfg.activation_checkpointing)
-    wrap = _wrapper(cfg, env.mesh, policy)
+    wrap = fsdp_wrapper(cfg, env.mesh, policy)
     for index, block in enumerate(model.layers):
         model.materialize_block(index, env.device, cfg.seed)
         if env.tp_mesh is not None:  # whole weights in, this rank's TP blocks out
@@ -363,7 +417,7 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
         if cfg.compile:  # blocks of one shape share one graph; FSDP's hooks stay outside it
             block.compile()
         if moe_ep:
-            shard_ep_block(block, env.ep_mesh, env.mesh, **_ragged_kwargs(cfg, policy))
+            _shard_ep_block(cfg, env, policy, block)
         else:
             wrap(block)
     model.materialize_root(env.device, cfg.seed)
@@ -390,5 +444,7 @@ def clip_gradients(model: nn.Module, cfg: Config) -> float:
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
     if cfg.fsdp == "raggedfsdp":
         return raggedfsdp.clip_grad_norm_(model.parameters(), max_norm).item()
+    if cfg.ep > 1:  # the experts' gradients live on another mesh than the dense ones
+        return fsdp2_clip_grad_norm_(model.parameters(), max_norm).item()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item()

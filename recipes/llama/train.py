@@ -46,7 +46,14 @@ from recipes.llama.data import (
     DataError,
     TokenData,
 )
-from recipes.llama.metrics import RunLogger, peak_flops, peak_memory_bytes, router_metrics
+from recipes.llama.expert_parallel import take_all_to_all_bytes
+from recipes.llama.metrics import (
+    RunLogger,
+    ep_metrics,
+    peak_flops,
+    peak_memory_bytes,
+    router_metrics,
+)
 from recipes.llama.model import flops_per_token, matmul_params
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import balance_routers
@@ -66,6 +73,8 @@ from recipes.llama.parallel import (
     full_weights,
     set_threads,
 )
+from recipes.llama.pipeline import Pipeline, build_pipeline, pipeline_evaluate, pipeline_step
+from recipes.llama.pipeline_checks import microbatches
 from recipes.llama.prepare import prepare_default
 from recipes.llama.run_record import Finished, clear_finished, mark_finished, read_finished
 
@@ -213,7 +222,10 @@ def find_start(cfg: Config, env: Env) -> Start | str:
     finished = read_finished(Path(cfg.run_dir)) if cfg.resume == "auto" else None
     if finished is not None and finished.same_run(cfg) and finished.step >= cfg.steps:
         return finished.nothing_to_train(cfg.run_dir, cfg.steps)
-    accum = grad_accumulation(cfg, env.dp_size, cfg.tp)
+    if cfg.pp > 1:  # the schedule's microbatches per step
+        accum = microbatches(cfg, env.dp_size)
+    else:
+        accum = grad_accumulation(cfg, env.dp_size, cfg.tp)
     data = open_data(cfg, env)
     optimizer_cls = optimizer_class(cfg.optimizer, cfg.fsdp)  # fail before building anything
     data_position = {"seed": cfg.seed, "train_sha256": data.meta["sha256"]["train"]}
@@ -252,6 +264,7 @@ class Run:
     tokens_per_step: int
     flops_per_token: float
     peak_flops: float | None  # per device; None when unknown (no MFU then)
+    pipeline: Pipeline | None = None  # --pp above 1: this rank's stages and the schedule
 
 
 def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
@@ -259,10 +272,15 @@ def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
     order, from ``start``; ``threads`` is the banner's note on the thread count."""
     # The same weights on every rank (seeded by name), sharded block by block as they are made.
     layout = CHOICES[cfg.optimizer].layout(cfg) if cfg.fsdp == "raggedfsdp" else {}
-    model = build_model(cfg, env, shard_policy(start.optimizer_cls, cfg.whole_experts, **layout))
-    n_params = sum(p.numel() for p in model.parameters())
-    n_matmul = matmul_params(model)
-    optimizer = build_optimizer(model, cfg)
+    policy = shard_policy(start.optimizer_cls, cfg.whole_experts, **layout)
+    pipeline = build_pipeline(cfg, env, policy, start.accum) if cfg.pp > 1 else None
+    if pipeline is not None:  # this rank's stages, under the full model's names
+        model, n_params, n_matmul = pipeline.model, pipeline.n_params, pipeline.n_matmul
+    else:
+        model = build_model(cfg, env, policy)
+        n_params = sum(p.numel() for p in model.parameters())
+        n_matmul = matmul_params(model)
+    optimizer = build_optimizer(model, cfg, env.mesh if pipeline is not None else None)
     schedule = Schedule(optimizer, cfg)
 
     state, warnings = TrainState(), list(start.warnings)
@@ -278,6 +296,7 @@ def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
         "world_size": env.world_size,
         "mesh": env.mesh_shape(),
         "grad_accumulation": start.accum,
+        "micro_batch_size": cfg.batch_size // (env.dp_size * start.accum),
         "n_params": n_params,
         "flops_per_token": flops_token,
         "peak_flops_per_device": peak,
@@ -308,6 +327,7 @@ def set_up(cfg: Config, env: Env, start: Start, threads: str) -> Run:
         tokens_per_step=cfg.batch_size * cfg.seq_len,
         flops_per_token=flops_token,
         peak_flops=peak,
+        pipeline=pipeline,
     )
 
 
@@ -324,7 +344,7 @@ def _header(cfg: Config, info: dict[str, Any], resumed_from: str | None) -> str:
     header = [
         f"{info['n_params'] / 1e6:.2f}M parameters",
         f"{info['world_size']} processes {info['mesh']}",
-        f"{info['grad_accumulation']} micro-batch(es) of {cfg.micro_batch_size}",
+        f"{info['grad_accumulation']} micro-batch(es) of {info['micro_batch_size']}",
         f"{cfg.batch_size * cfg.seq_len} tokens/step",
         str(info["optimizer_class"]),
         f"all-gather {info['all_gather']}",
@@ -377,6 +397,7 @@ def step_metrics(
     if run.peak_flops:
         metrics["mfu"] = run.flops_per_token * tokens_per_s / (run.peak_flops * env.world_size)
     metrics.update(router_metrics(loads))  # MoE: load balance, dropped tokens
+    metrics.update(ep_metrics(loads, cfg.ep, take_all_to_all_bytes(run.model)))  # --ep
     stats = getattr(run.optimizer, "last_step_stats", None) or {}  # Muon, Shampoo
     metrics.update({f"optim/{k}": v for k, v in stats.items() if isinstance(v, int | float)})
     return metrics
@@ -420,9 +441,14 @@ def train(
             step_start = time.perf_counter()
             lr = run.schedule.apply(step)
             gathered = all_gather_bytes(run.model)
-            local_loss, grad_norm, loads = train_step(
-                run.model, run.optimizer, run.train_batches, step, cfg, env, run.accum
-            )
+            if run.pipeline is not None:
+                local_loss, grad_norm, loads = pipeline_step(
+                    run.pipeline, run.optimizer, run.train_batches, step, cfg, env
+                )
+            else:
+                local_loss, grad_norm, loads = train_step(
+                    run.model, run.optimizer, run.train_batches, step, cfg, env, run.accum
+                )
             gathered = all_gather_bytes(run.model) - gathered  # 0 for FSDP2 (no counter)
             loss, stop_now = agree(local_loss, stop.requested, env)
             elapsed = time.perf_counter() - step_start
@@ -433,7 +459,10 @@ def train(
 
             last = state.step == cfg.steps
             if _due(cfg.eval_every, state.step, last):
-                metrics["val_loss"] = evaluate(run.model, run.val_batches, cfg, env, run.accum)
+                if run.pipeline is not None:
+                    metrics["val_loss"] = pipeline_evaluate(run.pipeline, run.val_batches, cfg, env)
+                else:
+                    metrics["val_loss"] = evaluate(run.model, run.val_batches, cfg, env, run.accum)
                 result.val_losses[state.step] = metrics["val_loss"]
             run.logger.log(metrics)
             result.losses[state.step] = loss
@@ -508,6 +537,10 @@ def main(argv: list[str] | None = None, threads: str | None = None) -> int:
             "\n\n" + usage()
         )
         return 0
+    if any(arg.partition("=")[0].startswith("--dry-run") for arg in argv):
+        from recipes.llama.dry_run import main as dry_run_main  # one rank on a fake group
+
+        return dry_run_main(argv)
     joined = False
     try:
         cfg = parse_args(argv)

@@ -131,3 +131,13 @@ def test_rotation_keeps_the_newest_good_checkpoints(dist_pool, data_dir, saved_r
     assert _names(checkpoints) == [f"step_0000000{s}" for s in (2, 3, 4, 5)]
     for step in (2, 4, 5):  # three good ones; step 3 stays until rotation passes it
         check_checkpoint(checkpoints / f"step_0000000{step}")
+
+
+def test_a_checkpoint_of_the_index_keyed_format_is_refused_by_name(tmp_path):
+    """v1 checkpoints keyed the optimizer state by group index; loading one into today's
+    name-keyed state would fail deep inside DCP, so the marker alone refuses it with the fix."""
+    old = tmp_path / "step_00000004"
+    old.mkdir()
+    (old / "meta.json").write_text(json.dumps({"format": "raggedfsdp-recipe-checkpoint-v1"}))
+    with pytest.raises(RuntimeError, match=r"earlier raggedfsdp .*--resume never"):
+        check_checkpoint(old)

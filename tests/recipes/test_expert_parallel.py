@@ -19,6 +19,8 @@ from recipes.llama.expert_parallel import (
     distribute_experts,
     ep_meshes,
     shard_ep_block,
+    shard_ep_block_fsdp2,
+    take_all_to_all_bytes,
 )
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import MoEBlock, MoEFeedForward, MoETransformer, balance_routers
@@ -26,6 +28,7 @@ from recipes.llama.moe import MoEBlock, MoEFeedForward, MoETransformer, balance_
 W = 4
 E = 8
 DIMS = [(2, 2), (1, 4)]  # (dp_shard_mod_ep, ep)
+HSDP = (2, 1, 2)  # (dp_replicate, dp_shard_mod_ep, ep)
 ROWS, SEQ = 8, 8  # global batch: W ranks of 2 rows
 STEPS = 5
 LR = 3e-3
@@ -33,6 +36,8 @@ STARVED = -10.0  # a bias no softmax score can overcome: those experts never get
 
 
 def _ids(value) -> str:
+    if isinstance(value, tuple) and len(value) == 3:
+        return f"rep{value[0]}xdp{value[1]}xep{value[2]}"
     if isinstance(value, tuple):
         return f"dp{value[0]}xep{value[1]}"
     if isinstance(value, str):
@@ -116,9 +121,25 @@ def _layer_on_ep(dims: tuple[int, int], starve: bool, impl: str = "loop") -> dic
         dist.all_reduce(g, group=group)
         grads[name] = g
     load = layer.tokens_per_expert.clone()
+    sent = (take_all_to_all_bytes(layer), take_all_to_all_bytes(layer))
+    expected = _expected_all_to_all_bytes(load, ep)
     dist.all_reduce(load)
     received = load.view(ep, -1).sum(1)  # tokens each EP rank's experts received
-    return {"out": out.detach(), "x": x.grad, "received": received, **grads}
+    traffic = {"sent": sent, "expected_sent": expected}
+    return {"out": out.detach(), "x": x.grad, "received": received, **traffic, **grads}
+
+
+def _expected_all_to_all_bytes(counts: torch.Tensor, ep: int) -> int:
+    """What this rank sends to other EP ranks in one forward and backward: its rows for the
+    other ranks' experts (dispatch), the rows the others sent it (combine), each once more as
+    gradients, and the per-expert counts (int64) to the others; 32 fp32 values a row."""
+    every = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, counts)
+    rank = dist.get_rank()
+    me, group = rank % ep, range(rank - rank % ep, rank - rank % ep + ep)
+    to_others = sum(counts.view(ep, -1).sum(1)[j].item() for j in range(ep) if j != me)
+    from_others = sum(every[s].view(ep, -1)[me].sum().item() for s in group if s != rank)
+    return int(2 * (to_others + from_others) * 32 * 4 + (E - E // ep) * 8)
 
 
 @pytest.mark.parametrize(
@@ -133,6 +154,7 @@ def test_layer_output_and_gradients_match_one_process(dist_pool, dims, impl):
         for rank, got in enumerate(results):
             local_e = slice((rank % ep) * (E // ep), (rank % ep + 1) * (E // ep))
             assert bool(got["received"][-1] == 0) == starve, got["received"]
+            assert got["sent"] == (got["expected_sent"], 0), got["sent"]  # counted, then reset
             for key in ("out", "x"):
                 want = expected[key].chunk(W)[rank]
                 assert _close(got[key], want), (key, starve)
@@ -145,8 +167,9 @@ def test_layer_output_and_gradients_match_one_process(dist_pool, dims, impl):
 
 
 # ----------------------------------------------------------------------------- training
-def _model(activation_checkpointing: bool = False) -> MoETransformer:
-    model = MoETransformer(_cfg(), seq_len=SEQ, activation_checkpointing=activation_checkpointing)
+def _model(activation_checkpointing: bool = False, n_experts: int = E) -> MoETransformer:
+    cfg = _cfg(n_experts=n_experts)
+    model = MoETransformer(cfg, seq_len=SEQ, activation_checkpointing=activation_checkpointing)
     model.init_weights(seed=3)
     return model
 
@@ -161,18 +184,23 @@ def _loss(model, inputs, targets) -> torch.Tensor:
     return F.cross_entropy(model(inputs).flatten(0, 1).float(), targets.flatten())
 
 
-def _wrap_ep(model: MoETransformer, ep: int, **kwargs):
-    """Experts over ep and dp_shard_mod_ep, the rest over every rank; (model, dp index)."""
-    mesh, dp = ep_meshes(ep)
+def _wrap_ep(model: MoETransformer, ep: int, fsdp2: bool = False, replicate: int = 1, **kwargs):
+    """Experts over ep and dp_shard_mod_ep (HSDP over dp_replicate too), the rest over every
+    rank, with raggedfsdp or torch's FSDP2; (model, dp index: the rank's batch rows)."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    mesh, dp = ep_meshes(ep, replicate=replicate)
     _starve_last(model.layers[0].feed_forward, ep)
     distribute_experts(model, mesh["ep"])
+    wrap_block = shard_ep_block_fsdp2 if fsdp2 else shard_ep_block
+    wrap = fsdp2_fully_shard if fsdp2 else raggedfsdp.fully_shard
     for block in model.layers:
         if isinstance(block, MoEBlock):
-            shard_ep_block(block, mesh, dp, **kwargs)
+            wrap_block(block, mesh, dp, **kwargs)
         else:
-            raggedfsdp.fully_shard(block, mesh=dp, **kwargs)
-    raggedfsdp.fully_shard(model, mesh=dp, **kwargs)
-    return model, dp.get_local_rank()
+            wrap(block, mesh=dp, **kwargs)
+    wrap(model, mesh=dp, **kwargs)
+    return model, dist.get_rank()  # dp_rank: row-major over (dp_replicate, dp_shard)
 
 
 def _train(model, opt, rank: int | None) -> list[float]:
@@ -193,22 +221,30 @@ def _train(model, opt, rank: int | None) -> list[float]:
     return losses
 
 
-def _train_on_ep(dims: tuple[int, int], ac: bool = False) -> dict:
-    model, rank = _wrap_ep(_model(ac), dims[1])
-    losses = _train(model, AdamW(model.parameters(), lr=LR), rank)
+def _train_on_ep(
+    dims: tuple[int, ...], ac: bool = False, fsdp2: bool = False, n_experts: int = E
+) -> dict:
+    replicate = dims[0] if len(dims) == 3 else 1
+    model, rank = _wrap_ep(_model(ac, n_experts), dims[-1], fsdp2, replicate)
+    adamw = torch.optim.AdamW if fsdp2 else AdamW  # FSDP2's parameters are DTensors
+    losses = _train(model, adamw(model.parameters(), lr=LR), rank)
     weights = {n: p.full_tensor() for n, p in model.named_parameters()}
     bias = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
-    return {"losses": losses, "weights": weights, "bias": bias}
+    placements = str(getattr(model.layers[0].feed_forward.experts.w1, "placements", None))
+    return {"losses": losses, "weights": weights, "bias": bias, "placements": placements}
 
 
 @pytest.mark.parametrize(
-    ("dims", "ac"), [(DIMS[0], False), (DIMS[1], False), (DIMS[0], True)], ids=_ids
+    ("dims", "ac"),
+    [(DIMS[0], False), (DIMS[1], False), (DIMS[0], True), (HSDP, False)],
+    ids=_ids,
 )
 def test_training_matches_one_process(dist_pool, dims, ac):
     """With activation checkpointing the recomputed forward dispatches again (the same
-    counts and routes); the reference runs without it."""
+    counts and routes); the reference runs without it. HSDP x EP: the experts reduce-scatter
+    over dp_shard_mod_ep and all-reduce over dp_replicate, the dense weights as HSDP."""
     model = _model()
-    _starve_last(model.layers[0].feed_forward, dims[1])
+    _starve_last(model.layers[0].feed_forward, dims[-1])
     expected = _train(model, torch.optim.AdamW(model.parameters(), lr=LR), None)
     for got in dist_pool(W).run(_train_on_ep, dims, ac):
         assert max(abs(a - b) for a, b in zip(got["losses"], expected, strict=True)) < 1e-5
@@ -220,6 +256,34 @@ def test_training_matches_one_process(dist_pool, dims, ac):
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):  # the same balancing, identical on every rank
                 assert torch.equal(got["bias"][name], b), name
+
+
+@pytest.mark.parametrize(
+    ("dims", "experts"),
+    [(DIMS[0], E), (DIMS[1], E), (HSDP, E), (DIMS[0], 2)],
+    ids=["dp2xep2", "dp1xep4", "rep2xdp1xep2", "dp2xep2-2experts"],
+)
+def test_fsdp2_x_ep_matches_ours_and_one_process(dist_pool, dims, experts):
+    """torch's fully_shard on the experts over dp_shard_mod_ep (``shard_ep_block_fsdp2``),
+    HSDP over (dp_replicate, dp_shard_mod_ep) at (2, 1, 2): both train as one process (and the
+    training test above checks ours alone, HSDP x EP included). With 2 experts at (2, 2) an EP
+    rank's one expert is split on dim 1 over dp_shard_mod_ep (torchtitan's rule)."""
+    model = _model(n_experts=experts)
+    _starve_last(model.layers[0].feed_forward, dims[-1])
+    expected = _train(model, torch.optim.AdamW(model.parameters(), lr=LR), None)
+    ours = dist_pool(W).run(_train_on_ep, dims, False, False, experts)
+    fsdp2 = dist_pool(W).run(_train_on_ep, dims, False, True, experts)
+    assert ("Shard(dim=1)" in fsdp2[0]["placements"]) == (experts == 2), fsdp2[0]["placements"]
+    for got, mine in zip(fsdp2, ours, strict=True):
+        assert max(abs(a - b) for a, b in zip(got["losses"], expected, strict=True)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(got["losses"], mine["losses"], strict=True)) < 1e-5
+        for name, p in model.named_parameters():
+            assert got["weights"][name].shape == p.shape, name
+            # 1e-4: the embedding row of test_training_matches_one_process (5.8e-5 here)
+            assert torch.allclose(got["weights"][name], p.detach(), atol=1e-4), name
+        assert got["bias"].keys() == mine["bias"].keys()
+        for name, b in got["bias"].items():
+            assert torch.equal(b, mine["bias"][name]), name
 
 
 # ----------------------------------------------------------------------------- Muon

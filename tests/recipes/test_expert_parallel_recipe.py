@@ -22,6 +22,7 @@ EP_TOLERANCE = 1e-5
 # Muon's Newton-Schulz iterations amplify that rounding: over the 8 debug steps plain FSDP at
 # W=2 is up to 3.7e-4 from W=1, and ep 2 up to 5.3e-4 from ep 1 at W=2 (measured).
 MUON_TOLERANCE = 1e-3
+EP_METRICS = ("moe/ep_tokens_max", "moe/ep_tokens_mean", "moe/ep_max_load", "all_to_all_mib")
 
 
 def moe_args(data_dir: str, run_dir: Path, *extra: str) -> list[str]:
@@ -33,11 +34,17 @@ def _train_recording(argv: list[str]) -> dict[str, Any]:
     """Losses, gradient norms and the banner's mesh of one run on this rank."""
     cfg = parse_args(argv)
     norms: dict[int, float] = {}
+    ep_keys: dict[str, float] = {}
+
+    def record(step: int, metrics: dict[str, Any]) -> None:
+        norms[step] = metrics["grad_norm"]
+        ep_keys.update({k: v for k, v in metrics.items() if k in EP_METRICS})
+
     with distributed(cfg) as env:
-        result = train(cfg, env, on_step=lambda step, m: norms.__setitem__(step, m["grad_norm"]))
+        result = train(cfg, env, on_step=record)
         mesh = env.mesh_shape()
         dp = (env.dp_rank, env.dp_size)
-    return {"losses": result.losses, "norms": norms, "mesh": mesh, "dp": dp}
+    return {"losses": result.losses, "norms": norms, "mesh": mesh, "dp": dp, "ep": ep_keys}
 
 
 @pytest.mark.parametrize(
@@ -51,20 +58,12 @@ def _train_recording(argv: list[str]) -> dict[str, Any]:
         (["--ep", "2"], "--ep 2 with a dense model: expert parallelism splits a MoE model's"),
         (
             ["--config", "moe_tiny", "--ep", "2", "--tp", "2"],
-            "--ep 2 with --tp 2: EP x TP is not supported yet; use --tp 1 (or --ep 1)",
-        ),
-        (
-            ["--config", "moe_tiny", "--ep", "2", "--fsdp", "fsdp2"],
-            "--ep 2 with --fsdp fsdp2: FSDP2 x EP is not supported yet; use --fsdp raggedfsdp "
-            "(or --ep 1)",
-        ),
-        (
-            ["--config", "moe_tiny", "--ep", "2", "--dp-replicate", "2"],
-            "--ep 2 with --dp-replicate 2: HSDP x EP is not supported yet",
+            "--ep 2 with --tp 2: EP x TP is not supported yet (the experts would be DTensors "
+            "on two mesh dims, which fully_shard does not take); use --tp 1, or --ep 1",
         ),
         (["--config", "moe_tiny", "--ep", "0"], "ep=0 must be >= 1"),
     ],
-    ids=["experts", "dense", "tp", "fsdp2", "hsdp", "zero"],
+    ids=["experts", "dense", "tp", "zero"],
 )
 def test_a_bad_ep_is_refused_while_parsing(data_dir, tmp_path, extra, message):
     with pytest.raises(ConfigError) as err:
@@ -81,6 +80,14 @@ def test_an_ep_that_does_not_divide_the_processes_is_refused_before_the_group():
         "1, 2, 3 or 6, or launch a multiple of 4 processes"
     )
     check_ep_world(2, 4)
+    with pytest.raises(ConfigError) as err:
+        check_ep_world(2, 6, n_experts=6, replicate=2)
+    assert str(err.value) == (
+        "--ep 2 x --dp-replicate 2 does not divide the 6 processes (the mesh is (dp_replicate, "
+        "processes / (dp_replicate * ep), ep)): launch a multiple of 4 processes, or lower "
+        "--dp-replicate or --ep"
+    )
+    check_ep_world(2, 4, replicate=2)
 
 
 def test_ep_not_dividing_the_world_ends_every_rank_with_one_line(dist_pool, data_dir, tmp_path):
@@ -104,6 +111,12 @@ def test_ep2_trains_as_ep1_at_w2(dist_pool, data_dir, tmp_path):
     assert ours[0]["mesh"] == {"dp_shard_mod_ep": 1, "ep": 2}
     assert [r["dp"] for r in ours] == [(0, 2), (1, 2)]  # every rank reads its own rows
     assert all(r["losses"] == ours[0]["losses"] for r in ours)
+    assert plain[0]["ep"] == {}  # the EP metrics appear with --ep only
+    ep = ours[0]["ep"]
+    # 256 tokens a step, top-2, two EP ranks: 256 token-expert pairs per EP rank on average
+    assert ep["moe/ep_tokens_mean"] == 256 and 256 <= ep["moe/ep_tokens_max"] <= 512, ep
+    assert ep["moe/ep_max_load"] == ep["moe/ep_tokens_max"] / 256, ep  # every block's mean
+    assert all(0 < r["ep"]["all_to_all_mib"] < 1 for r in ours), [r["ep"] for r in ours]
     losses, reference = ours[0]["losses"], plain[0]["losses"]
     assert list(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
     for step, loss in losses.items():
@@ -159,6 +172,34 @@ def test_dp2_ep2_trains_as_ep1_at_w4(dist_pool, data_dir, tmp_path):
         assert abs(norm - ref_norm) < EP_TOLERANCE * max(1.0, ref_norm), (step, norm, ref_norm)
 
 
+@pytest.mark.slow
+def test_fsdp2_and_hsdp_with_ep_train_as_ep1_at_w4(dist_pool, data_dir, tmp_path):
+    """``--fsdp fsdp2 --ep 2`` (torchtitan's FSDP2 x EP: ``shard_ep_block_fsdp2``) and HSDP x
+    EP (``--dp-replicate 2 --ep 2``: experts reduce-scattered over dp_shard_mod_ep, all-reduced
+    over dp_replicate) with both FSDPs, each within 1e-5 of ep 1 at W=4, losses and norms."""
+    extra = ["--steps", "4", "--checkpoint-every", "0", "--eval-every", "0"]
+    plain = dist_pool(4).run(
+        _train_recording, moe_args(data_dir, tmp_path / "ep1", *extra), timeout=240
+    )[0]
+    runs = {
+        "fsdp2": (["--fsdp", "fsdp2"], {"dp_shard_mod_ep": 2, "ep": 2}),
+        "hsdp": (["--dp-replicate", "2"], {"dp_replicate": 2, "dp_shard_mod_ep": 1, "ep": 2}),
+        "fsdp2-hsdp": (
+            ["--fsdp", "fsdp2", "--dp-replicate", "2"],
+            {"dp_replicate": 2, "dp_shard_mod_ep": 1, "ep": 2},
+        ),
+    }
+    for name, (options, mesh) in runs.items():
+        argv = moe_args(data_dir, tmp_path / name, "--ep", "2", *options, *extra)
+        ours = dist_pool(4).run(_train_recording, argv, timeout=240)
+        assert ours[0]["mesh"] == mesh, name
+        assert [r["dp"] for r in ours] == [(rank, 4) for rank in range(4)], name
+        for step, loss in ours[0]["losses"].items():
+            assert abs(loss - plain["losses"][step]) < EP_TOLERANCE, (name, step, loss)
+            norm, ref_norm = ours[0]["norms"][step], plain["norms"][step]
+            assert abs(norm - ref_norm) < EP_TOLERANCE * max(1.0, ref_norm), (name, step, norm)
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_checkpoints_resume_across_ep2_and_ep1(dist_pool, data_dir, tmp_path, optimizer):
     """Saved at ep 2 (W=2) and resumed at ep 1 (W=2), and the reverse: the rest of the run
@@ -195,3 +236,22 @@ def test_checkpoints_resume_across_ep2_and_ep1(dist_pool, data_dir, tmp_path, op
             reference = straight[saved_ep].losses[step]
             tolerance = MUON_TOLERANCE if optimizer == "muon" else EP_TOLERANCE
             assert abs(loss - reference) < tolerance, (saved_ep, resume_ep, step)
+
+
+@pytest.mark.slow
+def test_fsdp2_ep2_checkpoint_resumes_at_ep1_and_ep2(dist_pool, data_dir, tmp_path):
+    """``--fsdp fsdp2 --ep 2`` saves DTensors on two meshes (experts on (dp_shard_mod_ep, ep),
+    the rest on dp_shard); DCP's global boxes load them at ep 1 and ep 2: the rest of the run
+    is the straight run's (measured: the same losses, bit for bit)."""
+    fsdp2 = ["--fsdp", "fsdp2"]
+    straight = dist_pool(2).run(
+        run_train, moe_args(data_dir, tmp_path / "straight", "--ep", "2", *fsdp2), timeout=180
+    )[0]
+    saved = tmp_path / "saved"
+    shutil.copytree(tmp_path / "straight" / "checkpoints" / "step_00000004", saved)
+    for ep in ("1", "2"):
+        argv = moe_args(data_dir, tmp_path / f"ep{ep}", "--ep", ep, *fsdp2, "--resume", str(saved))
+        resumed = dist_pool(2).run(run_train, argv, timeout=180)[0]
+        assert list(resumed.losses) == [5, 6, 7, 8], ep
+        for step, loss in resumed.losses.items():
+            assert abs(loss - straight.losses[step]) < EP_TOLERANCE, (ep, step)

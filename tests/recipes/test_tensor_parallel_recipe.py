@@ -34,7 +34,11 @@ TP_TOLERANCE = 1e-5
             "as two parameters",
         ),
         (["--tp", "2", "--all-gather", "fp8"], "--tp 2 with --all-gather fp8: raggedfsdp's FP8"),
-        (["--tp", "2", "--config", "moe_tiny"], "--tp 2 with a MoE model"),
+        (
+            ["--tp", "2", "--config", "moe_tiny", "--model.moe-hidden", "47"],
+            "--tp 2 does not divide model.moe_hidden=47 (TP splits each into 2 equal parts): "
+            "use --tp 1, or change those sizes",
+        ),
         (["--tp", "0"], "tp=0 must be >= 1"),
     ],
     ids=["heads", "tied", "fp8", "moe", "zero"],

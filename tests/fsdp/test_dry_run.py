@@ -1,0 +1,165 @@
+"""The dry run (``raggedfsdp.dry_run``, ``recipes.llama.dry_run``) measures what the runtime does.
+
+The method's checks: the tally and the counter are byte-exact on known allocations and
+collectives; fake tensors give the same figures as real ones; and a dry run of rank r of W
+gives the figures that a real W-process gloo job measures on its rank r with the same
+counters (W = 2, 3, 4, raggedfsdp and FSDP2). Bad input is one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.dry_run import CollectiveCounter, MemoryTally, fake_world, measure, tensor_mode
+from recipes.llama import dry_run as recipe_dry_run
+from recipes.llama import parallel
+from recipes.llama.config import ConfigError, parse_args
+
+TINY = ["--config", "debug", "--micro-batch-size", "2", "--seq-len", "32"]
+MEMORY = ("params", "grads", "optimizer", "static", "peak_forward", "peak_backward", "peak_step")
+TRAFFIC = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "largest_all_gather")
+
+
+def _cfg(*extra: str):
+    return parse_args([*TINY, *extra])
+
+
+def test_tally_counts_storages_views_frees_and_resizes() -> None:
+    with MemoryTally() as tally:
+        a = torch.empty(1000)  # 4,000 bytes
+        view = a[10:20]
+        assert tally.live == 4000
+        b = torch.empty(250, dtype=torch.float64)
+        assert tally.live == 6000
+        del a
+        assert tally.live == 6000  # the view keeps the storage alive
+        del view
+        assert tally.live == 2000
+        b.untyped_storage().resize_(0)
+        assert tally.live == 0
+        b.untyped_storage().resize_(800)
+        assert (tally.live, tally.peak) == (800, 6000)
+        with tally.phase("p"):
+            c = torch.empty(100)
+            del c
+        assert tally.peaks["p"] == 1200
+
+
+def test_tally_counts_fake_tensors_without_allocating() -> None:
+    with tensor_mode("fake"), MemoryTally() as tally:
+        huge = torch.empty(1 << 40, dtype=torch.bfloat16)  # 2 TiB, never allocated
+        assert tally.live == 2 << 40
+        del huge
+        assert tally.live == 0
+
+
+def test_counter_counts_each_collective_as_its_whole_buffer() -> None:
+    with fake_world(rank=1, world_size=4), CollectiveCounter() as counter:
+        shard, full = torch.zeros(8), torch.zeros(32)
+        dist.all_gather_into_tensor(full, shard)
+        dist.reduce_scatter_tensor(shard, full)
+        dist.all_reduce(shard)
+        dist.all_reduce(full.view(torch.int32), op=dist.ReduceOp.BOR)  # raggedfsdp's gloo gather
+        dist.all_to_all_single(full, full)
+    assert counter.bytes == {
+        "all_gather": 256,
+        "reduce_scatter": 128,
+        "all_reduce": 32,
+        "all_to_all": 128,
+    }
+    assert counter.largest["all_gather"] == 128
+
+
+def _report(cfg, rank: int, world: int, tensors: str):
+    return recipe_dry_run.run(cfg, recipe_dry_run.DryRun(rank, world, tensors))
+
+
+@pytest.mark.parametrize("fsdp", ["raggedfsdp", "fsdp2"])
+def test_fake_tensors_give_the_figures_of_real_ones(fsdp: str) -> None:
+    cfg = _cfg("--fsdp", fsdp, "--mixed-precision", "bf16")
+    fake, real = (dataclasses.asdict(_report(cfg, 5, 8, t)) for t in ("fake", "real"))
+    for key in (*MEMORY, *TRAFFIC):
+        assert _close(fake[key], real[key]), (key, fake[key], real[key])
+    assert {k: fake[k] for k in TRAFFIC} == {k: real[k] for k in TRAFFIC}
+    assert fake["params"] > 0 and fake["all_gather"] > 0
+    assert fake["peak_backward"] > fake["static"]
+
+
+def _gloo_step(args: list[str]) -> dict:
+    """One rank of a real gloo job: the recipe's model and optimizer, measured by ``measure``."""
+    cfg = parse_args(args)
+    env = parallel.make_env(torch.device("cpu"), 0, cfg.dp_replicate, cfg.tp, cfg.ep)
+    build = recipe_dry_run._build(cfg, env)
+    return dataclasses.asdict(measure(build, recipe_dry_run._loss(cfg), cfg.fsdp))
+
+
+def _close(sim: int, real: int) -> bool:
+    return abs(sim - real) <= 0.05 * max(abs(real), 1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4], ids=lambda w: f"W{w}")
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--fsdp", "raggedfsdp"],
+        ["--fsdp", "fsdp2"],
+        ["--fsdp", "raggedfsdp", "--mixed-precision", "bf16", "--optimizer", "muon"],
+    ],
+    ids=["ours", "fsdp2", "ours-bf16-muon"],
+)
+def test_dry_run_matches_a_real_gloo_job(pool, world_size: int, extra: list[str]) -> None:
+    args = [*TINY, *extra]
+    real = pool.run(_gloo_step, args)
+    for rank in range(world_size):
+        sim = dataclasses.asdict(_report(parse_args(args), rank, world_size, "fake"))
+        for key in MEMORY:
+            assert _close(sim[key], real[rank][key]), (rank, key, sim[key], real[rank][key])
+        # raggedfsdp's gloo path reduce-scatters by an in-place all-reduce: compare the sum
+        assert _close(sim["all_gather"], real[rank]["all_gather"]), rank
+        sim_rs = sim["reduce_scatter"] + sim["all_reduce"]
+        real_rs = real[rank]["reduce_scatter"] + real[rank]["all_reduce"]
+        assert _close(sim_rs, real_rs), (rank, sim_rs, real_rs)
+        assert _close(sim["all_to_all"], real[rank]["all_to_all"]), rank
+
+
+@pytest.mark.parametrize(
+    ("argv", "fix"),
+    [
+        (["--dry-run", "4/4"], "outside [0, 4): simulate a rank from 0 to 3"),
+        (["--dry-run", "3"], "give RANK/WORLD"),
+        (["--dry-run", "0/6", "--dp-replicate", "4"], "dp_replicate=4 must divide"),
+        (["--dry-run", "0/5", "--tp", "2"], "--tp 2 does not divide the 5 processes"),
+        (["--dry-run", "0/4", "--dry-run-tensors", "paper"], "use fake or real"),
+        (["--dry-run-tensors", "fake"], "needs --dry-run RANK/WORLD"),
+    ],
+)
+def test_bad_input_is_one_line(capsys, argv: list[str], fix: str) -> None:
+    assert recipe_dry_run.main([*TINY, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert fix in err and "\n" not in err, err
+
+
+def test_real_tensors_that_cannot_hold_one_block_are_refused(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(recipe_dry_run, "free_bytes", lambda: 1000)
+    argv = [*TINY, "--dry-run", "0/4", "--dry-run-tensors", "real"]
+    assert recipe_dry_run.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "use --dry-run-tensors fake" in err and "\n" not in err, err
+
+
+def test_a_dry_run_needs_a_fresh_process_group() -> None:
+    with fake_world(0, 2):
+        inner = fake_world(0, 2)
+        with pytest.raises(RuntimeError, match="already initialised"):
+            inner.__enter__()
+
+
+def test_split_argv_leaves_the_recipe_options() -> None:
+    request, rest = recipe_dry_run.split_argv(["--dry-run=2/8", "--config", "debug"])
+    assert tuple(request) == (2, 8, "fake") and rest == ["--config", "debug"]
+    with pytest.raises(ConfigError):
+        recipe_dry_run.parse_dry_run("a/b")
