@@ -167,6 +167,22 @@ def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: in
     return out.get()
 
 
+def train_step(
+    loss: torch.Tensor, opt: torch.optim.Optimizer, barrier: bool = False
+) -> tuple[float, float]:
+    """Backward of ``loss``, the optimizer step, ``zero_grad``: ``alternate_rounds``' step
+    result (the loss, the optimizer step's seconds). ``barrier`` starts the optimizer's clock
+    after every rank's backward, so that a step with collectives waits for no peer's backward."""
+    loss.backward()
+    if barrier:
+        dist.barrier()
+    t0 = time.perf_counter()
+    opt.step()
+    elapsed = time.perf_counter() - t0
+    opt.zero_grad()
+    return loss.item(), elapsed
+
+
 def alternate_rounds(
     systems: dict[str, dict[str, Any]], names: list[str], steps: int, step: Callable
 ) -> dict[str, dict[str, float]]:

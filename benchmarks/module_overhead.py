@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from measure import alternate_rounds, init_gloo, spawn_ranks
+from measure import alternate_rounds, init_gloo, spawn_ranks, train_step
 from torch import nn
 
 SYSTEMS = ("ours", "fsdp2")
@@ -104,13 +103,7 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
 
 def _stepper(batch: torch.Tensor):
     def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
-        loss = model(batch).square().mean()
-        loss.backward()
-        t0 = time.perf_counter()
-        opt.step()
-        elapsed = time.perf_counter() - t0
-        opt.zero_grad()
-        return loss.item(), elapsed
+        return train_step(model(batch).square().mean(), opt)
 
     return step
 

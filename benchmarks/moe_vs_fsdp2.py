@@ -61,7 +61,6 @@ import itertools
 import json
 import math
 import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,6 +78,7 @@ from measure import (
     peak_allocated,
     spawn_ranks,
     status_kib,
+    train_step,
 )
 from torch import nn
 
@@ -235,13 +235,9 @@ def _round(args: argparse.Namespace, tokens: torch.Tensor):
 
     def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
         logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        loss.backward()
-        t0 = time.perf_counter()
-        opt.step()
-        elapsed = time.perf_counter() - t0
-        opt.zero_grad()
-        return loss.item(), elapsed
+        return train_step(
+            F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()), opt
+        )
 
     return step
 

@@ -47,13 +47,19 @@ import argparse
 import gc
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from measure import CollectiveBytes, alternate_rounds, init_gloo, spawn_ranks, status_kib
+from measure import (
+    CollectiveBytes,
+    alternate_rounds,
+    init_gloo,
+    spawn_ranks,
+    status_kib,
+    train_step,
+)
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
@@ -114,14 +120,7 @@ def _step(tokens: torch.Tensor):
     step's seconds (from a barrier after backward, so that it waits for no peer's backward)."""
 
     def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
-        loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step()
-        elapsed = time.perf_counter() - t0
-        opt.zero_grad()
-        return loss.item(), elapsed
+        return train_step(loss_fn(model, tokens[:, :-1], tokens[:, 1:]), opt, barrier=True)
 
     return step
 
