@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 
 from raggedfsdp.fsdp.api import FSDPModule
@@ -27,6 +28,10 @@ __all__ = ["PipelineStage"]
 class PipelineStage(TorchPipelineStage):
     """``torch.distributed.pipelining.PipelineStage`` (same arguments) whose submodule may be a
     raggedfsdp ``FSDPModule``; other submodules behave exactly as under torch's class."""
+
+    def __init__(self, submodule: nn.Module, *args: Any, **kwargs: Any) -> None:
+        _check_stage_root(submodule)
+        super().__init__(submodule, *args, **kwargs)
 
     def backward_maybe_with_nosync(
         self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
@@ -48,3 +53,19 @@ class PipelineStage(TorchPipelineStage):
             self.submod.set_requires_gradient_sync(True)
             self.submod.reduce_accumulated_gradients()
         super().perform_reduce_grad(grad_scale_factor)
+
+
+def _check_stage_root(submodule: nn.Module) -> None:
+    """A stage whose blocks are ``fully_shard``ed but whose own module is not would run as a
+    plain module: a reduce-scatter and a re-gather every microbatch, silently. Refuse it with
+    the fix; a stage with no FSDP inside (pure pipeline parallelism) is fine."""
+    if isinstance(submodule, FSDPModule):
+        return
+    inner = next((name for name, m in submodule.named_modules() if isinstance(m, FSDPModule)), None)
+    if inner is not None:
+        raise ValueError(
+            f"PipelineStage(submodule={type(submodule).__name__}): the stage's module is not "
+            f"fully_shard'ed but its submodule {inner!r} is, so gradients would be reduced every "
+            "microbatch; call raggedfsdp.fully_shard(submodule) on the stage's module too, as "
+            "its root"
+        )

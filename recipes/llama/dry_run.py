@@ -183,6 +183,11 @@ def run(cfg: Config, request: DryRun, steps: int = 2) -> StepReport:
     ``grouped_mm`` (the CUDA path a GPU job takes) reads none and allocates the same
     activations."""
     rank, world_size, tensors = request
+    if cfg.pp > 1:
+        raise ConfigError(
+            f"--dry-run with --pp {cfg.pp}: the dry run builds the whole model on one rank, not "
+            "a pipeline stage; use --pp 1 (a stage holds about 1/pp of the layers' memory)"
+        )
     if isinstance(cfg.model, MoEConfig) and cfg.model.expert_impl == "auto":
         cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, expert_impl="grouped_mm")

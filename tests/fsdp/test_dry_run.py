@@ -135,6 +135,7 @@ def test_dry_run_matches_a_real_gloo_job(pool, world_size: int, extra: list[str]
         (["--dry-run", "0/5", "--tp", "2"], "--tp 2 does not divide the 5 processes"),
         (["--dry-run", "0/4", "--dry-run-tensors", "paper"], "use fake or real"),
         (["--dry-run-tensors", "fake"], "needs --dry-run RANK/WORLD"),
+        (["--dry-run", "0/4", "--pp", "2"], "--dry-run with --pp 2: the dry run builds"),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv: list[str], fix: str) -> None:

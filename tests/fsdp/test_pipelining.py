@@ -166,3 +166,28 @@ def test_torchs_own_stage_reduces_every_microbatch(dist_pool):
         for index, params in zip(result["stages"], result["params"], strict=True):
             for n, value in expected_params[index].items():
                 assert torch.allclose(params[n], value, atol=2e-6), (index, n)
+
+
+def _stage_roots() -> dict[str, str]:
+    """What ``PipelineStage`` says of a stage with its blocks wrapped but not its root, and
+    that the same stage with the root wrapped too, and one with no FSDP at all, are taken."""
+    part = Part(2, head=True)
+    for block in part.layers:
+        raggedfsdp.fully_shard(block)
+    device = torch.device("cpu")
+    try:
+        PipelineStage(part, 0, 1, device)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    raggedfsdp.fully_shard(part)
+    PipelineStage(part, 0, 1, device)
+    PipelineStage(Part(2, head=True), 0, 1, device)
+    return {"refused": refused}
+
+
+def test_a_stage_whose_root_is_not_fully_shard_is_refused_with_the_fix(dist_pool):
+    """Left alone, such a stage would reduce-scatter every microbatch without a word."""
+    (result,) = dist_pool(1).run(_stage_roots)
+    assert "raggedfsdp.fully_shard(submodule)" in result["refused"], result
+    assert "'layers.0'" in result["refused"], result
