@@ -5,6 +5,8 @@ MODEL ...`` are one program built by :func:`build_parser`; only the name in the 
 
 Errors in the input (unknown preset, malformed config or shapes file, impossible mesh, bad unit)
 are reported as one line naming the input and the fix, with exit status 2, like argparse's own.
+``--verify`` also runs the case with the runtime (``raggedfsdp.capacity.verify``, imported only
+then: the planner itself never imports torch) and prints estimate vs runtime per line.
 A reader that stops early (``raggedfsdp plan ... | head``) ends the run quietly, as it ends
 ``cat``: status 141 (128 + SIGPIPE), no traceback.
 """
@@ -17,17 +19,20 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from raggedfsdp.capacity.float8 import ALL_GATHER_KINDS
 from raggedfsdp.capacity.hf_config import EXPERT_LAYOUTS
 from raggedfsdp.capacity.loader import load_model, preset_names
 from raggedfsdp.capacity.memory import estimate
-from raggedfsdp.capacity.model_shapes import PlanError
+from raggedfsdp.capacity.model_shapes import ModelShapes, PlanError
 from raggedfsdp.capacity.policies import OPTIMIZERS, UNIT_KINDS, OptimizerSpec, UnitPolicy
 from raggedfsdp.capacity.report import render
 from raggedfsdp.capacity.settings import BACKENDS, Mesh, Precision, Settings
 from raggedfsdp.sharding.units import DEFAULT_MAX_EXTRA_PADDING
+
+if TYPE_CHECKING:
+    from raggedfsdp.capacity.verify import Comparison
 
 __all__ = ["MODULE_PROG", "PROG", "build_parser", "console_main", "main"]
 
@@ -227,7 +232,18 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GIB",
         help="say whether the estimate fits in this much memory per GPU",
     )
+    _add_output(parser)
+
+
+def _add_output(parser: argparse.ArgumentParser) -> None:
+    """What is printed: the report or ``--json``, and ``--verify``'s side-by-side table."""
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="also run the case with the runtime itself (one rank on torch's fake process "
+        "group, fake tensors; needs torch) and print estimate vs runtime per line",
+    )
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -290,6 +306,7 @@ def _plan(args: argparse.Namespace, prog: str) -> int:
         settings = _settings(args)
         model = load_model(args.model, model=args.model_name, experts=args.experts)
         result = estimate(model, settings)
+        checked = _verify(model, settings) if args.verify else None
     except PlanError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -298,7 +315,25 @@ def _plan(args: argparse.Namespace, prog: str) -> int:
         if args.gpu_memory is not None:
             limit = args.gpu_memory * 1024**3
             out["fits"] = {"gpu_memory_bytes": limit, "fits": out["memory_bytes"]["total"] <= limit}
+        if checked is not None:
+            out["verify"] = [
+                {"line": r.label, "estimate": r.estimate, "runtime": r.runtime, "ratio": r.ratio}
+                for r in checked
+            ]
         print(json.dumps(out))
     else:
         print(render(result, args.gpu_memory))
+        if checked is not None:
+            from raggedfsdp.capacity.verify import render_comparison
+
+            print(f"\n{render_comparison(checked)}")
     return 0
+
+
+def _verify(model: ModelShapes, settings: Settings) -> Comparison:
+    """``--verify``: the dry run of the same case. Imported here, so that the planner without
+    ``--verify`` never imports torch."""
+    from raggedfsdp.capacity.verify import check_verifiable, verify
+
+    check_verifiable(model, settings)
+    return verify(model, settings)

@@ -144,6 +144,9 @@ class Estimate:
     elapsed_s: float
     float8: dict[str, Any] | None = None  # --all-gather fp8|mxfp8 (see ``_float8``)
     moe: list[MoELayer] = dataclasses.field(default_factory=list)  # with an ep dim
+    #: total bytes at the peak of forward and backward, and of the optimizer step (its
+    #: temporaries not included): what ``--verify`` sets beside the runtime's phase peaks
+    phase_totals: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def _expert_parallel(self) -> dict[str, Any]:
         """The ep dim's own keys of ``to_dict``: what the all-to-all assumes, experts per EP
@@ -276,7 +279,7 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
     local = tp_local_model(split, mesh)
     plans, sequence = _plan_model(local, settings)
     counters = counter_bytes(settings.optimizer, [t for g in local.groups for t in g.tensors])
-    memory, phase = _memory(plans, sequence, settings, counters)
+    memory, phase, phase_totals = _memory(plans, sequence, settings, counters)
     layers = moe_layers(model) if mesh.ep > 1 else []
     if layers:
         memory.update(_expert_memory(plans, settings))
@@ -297,6 +300,7 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
         elapsed_s=time.perf_counter() - t0,
         float8=float8,
         moe=layers,
+        phase_totals=phase_totals,
     )
 
 
@@ -346,7 +350,9 @@ def _float8(
     }
 
 
-def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[str, float], str]:
+def _memory(
+    plans, sequence, settings: Settings, counters: int
+) -> tuple[dict[str, float], str, dict[str, float]]:
     prec = settings.precision
     mb, pb, rb = prec.bytes("master"), prec.bytes("param"), prec.bytes("reduce")
     segments = sum(p.instances * p.segment for p in plans)
@@ -384,7 +390,10 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
         behind = full[i - 1] if i > 0 else 0.0
         params = full[i] + behind if settings.reshard_after_forward else gathered_upto[i]
         in_flight = grad_full[i + 1] if nccl and i + 1 < n else 0.0
-        flush = behind + held[i] + grad_full[i] + in_flight
+        # what stays gathered beside the flush: the prefetched previous group, or without
+        # resharding after forward every earlier one (each is freed in its own backward)
+        earlier = behind if settings.reshard_after_forward else params - full[i]
+        flush = earlier + held[i] + grad_full[i] + in_flight
         unsharded = root_kept + root_held + max(params + held[i], flush)
         phases.append((unsharded, later[i] + root_sharded, f"backward of {names[i]}"))
     if tied:
@@ -407,7 +416,12 @@ def _memory(plans, sequence, settings: Settings, counters: int) -> tuple[dict[st
         "total": persistent + unsharded + grads_then,
     }
     memory = {k: float(v) for k, v in memory.items()}  # plain floats for JSON
-    return memory, label
+    *passes, step = phases
+    totals = {
+        "forward_backward": float(persistent + max((u + g for u, g, _ in passes), default=0.0)),
+        "step": float(persistent + step[0] + step[1]),
+    }
+    return memory, label, totals
 
 
 def _ranks(plan: GroupPlan) -> int:
