@@ -12,16 +12,20 @@ each group one ``fully_shard`` call, then the root:
   expert runs every step.
 
 Both systems are built in every rank with the same seed and alternate (A B A B, the order
-rotating each round: ``measure.alternate_rounds``) over the same batch with the same
-``torch.optim.SGD``; reported per group in µs: the whole step (forward, backward, optimizer
-step) and the optimizer's part, medians, as ratios ours / FSDP2. Step time depends on the
-machine's load; two counts in one extra step do not and show where per-group work goes: the
-Python function calls per group (``sys.setprofile``) and the tensor allocations per group (the
-profiler's allocator events). Each ``--groups`` size runs in its own launch; the per-group
-figures at two sizes say whether the overhead is linear in the number of groups.
+rotating each round: ``measure.alternate_rounds``) over the same batch, with the same
+``torch.optim.SGD`` (``--optim sgd``) or each with its AdamW (``--optim adamw``: ours
+``raggedfsdp.optim.AdamW``, which updates the flat runs of the local pieces, beside FSDP2's
+``torch.optim.AdamW`` over the DTensor parameters; both ``foreach=True``, the same bits);
+reported per group in µs: the whole step (forward, backward, optimizer step) and the
+optimizer's part, medians, as ratios ours / FSDP2. Step time depends on the machine's load;
+counts in extra steps do not and show where per-group work goes: the Python function calls per
+group (``sys.setprofile``), those of the optimizer step and ``zero_grad`` alone, and the tensor
+allocations per group (the profiler's allocator events). Each ``--groups`` size runs in its own
+launch; the per-group figures at two sizes say whether the overhead is linear in the number of
+groups.
 
     python benchmarks/module_overhead.py [--model {blocks,moe,both}] [--world-sizes 1 2]
-        [--groups 128 512] [--steps 10] [--dim 8] [--tokens N]
+        [--groups 128 512] [--steps 10] [--dim 8] [--tokens N] [--optim {sgd,adamw}]
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ from measure import alternate_rounds, init_gloo, spawn_ranks, train_step
 from torch import nn
 
 SYSTEMS = ("ours", "fsdp2")
+COLUMNS = {  # reported per group: key, table heading
+    "step_us": "step µs",
+    "optim_us": "optim µs",
+    "python_calls": "Py calls",
+    "optim_calls": "optim Py calls",
+    "allocations": "allocs",
+}
 
 
 class TinyBlock(nn.Module):
@@ -98,7 +109,13 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+    if args.optim == "sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=1e-3)
+    if system == "ours":
+        from raggedfsdp.optim import AdamW
+
+        return model, AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
 
 
 def _stepper(batch: torch.Tensor):
@@ -155,11 +172,14 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         run = lambda s=system: step(s["model"], s["opt"])  # noqa: E731
         loss = run()[0]
         calls, allocs = python_calls(run), allocations(run)
+        system["model"](batch).square().mean().backward()  # then the optimizer's calls alone
+        optim_calls = python_calls(lambda s=system: (s["opt"].step(), s["opt"].zero_grad()))
         per_group = {k: v / args.groups * 1e6 for k, v in rounds[name].items() if k != "transient"}
         report[name] = {
             "step_us": per_group["step"],
             "optim_us": per_group["optim"],
             "python_calls": calls / args.groups,
+            "optim_calls": optim_calls / args.groups,
             "allocations": allocs / args.groups,
             "loss": loss,
         }
@@ -174,19 +194,19 @@ def measure(model: str, world: int, groups: int, args: argparse.Namespace) -> di
     run_args = argparse.Namespace(**{**vars(args), "model": model, "groups": groups})
     res = spawn_ranks(_worker, run_args, world)
     ours, peer = res["ours"], res["fsdp2"]
-    ratio = {k: ours[k] / peer[k] for k in ("step_us", "optim_us", "python_calls", "allocations")}
+    ratio = {k: ours[k] / peer[k] for k in COLUMNS}
     return {"model": model, "world": world, "groups": groups, **res, "ratio": ratio}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     print("\nper group, medians of the alternating rounds (ratio = ours / FSDP2)")
     head = f"{'model':7s}{'W':>3s}{'groups':>7s}"
-    for label in ("step µs", "optim µs", "Py calls", "allocs"):
+    for label in COLUMNS.values():
         head += f"{label:>22s}"
     print(head)
     for r in rows:
         line = f"{r['model']:7s}{r['world']:3d}{r['groups']:7d}"
-        for key in ("step_us", "optim_us", "python_calls", "allocations"):
+        for key in COLUMNS:
             ours, peer = r["ours"][key], r["fsdp2"][key]
             line += f"{ours:8.1f} /{peer:7.1f} ={ours / peer:5.2f}"
         print(line)
@@ -199,6 +219,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dim", type=int, default=8)
+    parser.add_argument(
+        "--optim",
+        choices=("sgd", "adamw"),
+        default="sgd",
+        help="sgd: torch's SGD for both; adamw: raggedfsdp.optim.AdamW vs torch's AdamW",
+    )
     parser.add_argument(
         "--tokens", type=int, default=None, help="rows of the batch (blocks: 8; moe: groups)"
     )

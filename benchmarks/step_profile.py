@@ -2,7 +2,8 @@
 
 The model, wrapping and data are ``fsdp_vs_fsdp2.py``'s (its flags). Every rank builds both
 systems and alternates them; per step, the forward and backward run under ``cProfile`` and the
-optimizer step (``torch.optim.AdamW``, the same for both) and ``zero_grad`` are timed apart.
+optimizer step (``torch.optim.AdamW``, the same for both; ``--our-adamw``: ours with
+``raggedfsdp.optim.AdamW``) and ``zero_grad`` are timed apart.
 The profile's self time of every function is charged to a category by the file of the function,
 or for a C function (an aten op, a ``Work.wait``) by the file that called it:
 
@@ -19,6 +20,7 @@ wall time of the same steps is reported beside (``step (unprofiled)``). Ratios b
 where the two differ.
 
     python benchmarks/step_profile.py [fsdp_vs_fsdp2.py flags] [--steps 6] [--dump DIR]
+        [--our-adamw]
 """
 
 from __future__ import annotations
@@ -112,9 +114,20 @@ def categorize(stats: pstats.Stats) -> Counter[str]:
     return out
 
 
+def _build(name: str, args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``fsdp_vs_fsdp2.build``'s model and optimizer; with ``--our-adamw`` ours steps with
+    ``raggedfsdp.optim.AdamW`` (the same hyper-parameters and bits) instead of torch's."""
+    model, opt = build(name, args)
+    if name == "ours" and args.our_adamw:
+        from raggedfsdp.optim import AdamW
+
+        opt = AdamW(model.parameters(), **{k: opt.defaults[k] for k in ("lr", "weight_decay")})
+    return model, opt
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     init_gloo(rank, world, port)
-    models = {name: build(name, args) for name in SYSTEMS}
+    models = {name: _build(name, args) for name in SYSTEMS}
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
 
@@ -168,6 +181,11 @@ def main() -> None:
     add_model_arguments(parser)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--dump", help="a folder to write each rank's pstats files into")
+    parser.add_argument(
+        "--our-adamw",
+        action="store_true",
+        help="step ours with raggedfsdp.optim.AdamW (FSDP2 keeps torch.optim.AdamW)",
+    )
     args = parser.parse_args()
     ranks = spawn_ranks(_worker, args, args.world_size)
     print(json.dumps({"benchmark": "step_profile", "args": vars(args), "ranks": ranks}))

@@ -316,6 +316,7 @@ def _plan(args: argparse.Namespace, prog: str) -> int:
             limit = args.gpu_memory * 1024**3
             out["fits"] = {"gpu_memory_bytes": limit, "fits": out["memory_bytes"]["total"] <= limit}
         if checked is not None:
+            out["verify_rank"] = checked.rank
             out["verify"] = [
                 {"line": r.label, "estimate": r.estimate, "runtime": r.runtime, "ratio": r.ratio}
                 for r in checked

@@ -191,7 +191,7 @@ class Estimate:
             "reshard_after_forward": s.reshard_after_forward,
             "backend": s.backend,
             "memory_bytes": self.memory,
-            "memory_excludes": ["activations", "optimizer-step temporaries"],
+            "memory_excludes": ["activations", "optimizer-step temporaries", *_fixed_tables(s)],
             "peak_phase": self.peak_phase,
             "padding": self.padding,
             "traffic_bytes": self.traffic,
@@ -445,6 +445,16 @@ def _expert_memory(plans: list[GroupPlan], settings: Settings) -> dict[str, floa
         "expert_optimizer": float(np.max(state)),
         "expert_gathered": float(gathered),
     }
+
+
+def _fixed_tables(settings: Settings) -> list[str]:
+    """Per-process constants an optimizer keeps besides its state: AdamW8bit's code maps
+    (``raggedfsdp.optim.quant.QuantMap``, once per device, whatever the model)."""
+    return (
+        ["adamw8bit code maps (0.55 MiB per device)"]
+        if settings.optimizer.name == "adamw8bit"
+        else []
+    )
 
 
 #: Module names of output maps: a root group holding one is untied from its embedding.

@@ -11,7 +11,9 @@ what every rank would see: checks pass, counters stay at their start, and MoE ro
 every token to expert 0 (the per-expert split changes, the total routed rows do not). Values the
 mode can know are kept: small results of ops whose inputs are all known (a rank map made by
 ``arange``, a count from ``bincount``, a quantization table from Python numbers), so a later
-read sees them; such ops also run for real, on at most ``MAX_KNOWN`` elements.
+read sees them; such ops also run for real, on at most ``MAX_KNOWN`` elements. An all-to-all
+of known values (expert parallelism's routing counts) receives from every peer what this rank
+sends it, as if every rank routed as this one does (``_symmetric_all_to_all``).
 
 A fake tensor's storage is a meta storage, whose ``data_ptr()`` is 0 for all of them, yet
 raggedfsdp reads addresses to tell a buffer's own segment from an overlap and to find runs of
@@ -50,7 +52,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["ZeroValues", "fake_addresses", "foreach_as_real"]
+__all__ = [
+    "ZeroValues",
+    "fake_addresses",
+    "foreach_as_real",
+    "real_constant_tables",
+    "same_view",
+]
 
 MAX_ZERO_ELEMENTS = 1 << 24  # a data-dependent read of a larger tensor is not control flow
 MAX_KNOWN = 1 << 16  # results up to this many elements keep their values (rank maps, tables)
@@ -80,6 +88,8 @@ class ZeroValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten.is_set_to.default:
+            return same_view(*args, **kwargs)
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
@@ -99,6 +109,10 @@ class ZeroValues(TorchDispatchMode):
                 for t in fakes:
                     self._known.pop(t, None)
             return
+        if func in _ALL_TO_ALL:
+            output, input = (self._known[t] for t in fakes[:2])
+            with unset_fake_temporarily():
+                return _symmetric_all_to_all(output, input, args[2])
         outs = [t for t in tree_leaves(out) if isinstance(t, FakeTensor)]
         if not outs or any(t.numel() > MAX_KNOWN for t in outs):
             return
@@ -117,6 +131,39 @@ class ZeroValues(TorchDispatchMode):
         fake = self.fake_mode.from_tensor(value)
         self._known[fake] = value
         return fake
+
+
+_ALL_TO_ALL = (torch.ops.c10d.alltoall_base_.default,)
+
+
+def _symmetric_all_to_all(output: torch.Tensor, input: torch.Tensor, group: object) -> None:
+    """The values a known all-to-all receives on the fake process group, where no peer sends
+    anything: each peer is taken to send this rank what this rank sends each peer (the chunk
+    addressed to this rank, from every source). For MoE routing counts that is the routing a
+    rank sees when every rank routes as it does (every token to expert 0 under zeros), so the
+    expert rank simulated receives every rank's tokens for its experts: the largest expert
+    batch a real step could make, not none."""
+    group = torch.distributed.ProcessGroup.unbox(group)  # the op's argument is a ScriptObject
+    ranks = group.size()
+    if input.numel() % ranks or output.numel() != input.numel():
+        output.zero_()  # uneven splits: nothing received (never the memory it was made with)
+        return
+    mine = input.reshape(ranks, -1)[group.rank()]
+    output.copy_(mine.expand(ranks, -1).reshape(output.shape))
+
+
+def same_view(tensor: torch.Tensor, other: torch.Tensor) -> bool:
+    """``aten.is_set_to`` from the tensors' metadata: the same storage, offset, sizes and
+    strides. Fake tensors have no kernel for it, and torch's fallback runs it on real zero
+    copies of both: the whole gathered buffer allocated for real on every call (most of a
+    large MoE model's dry run), and two copies are never one storage, so it always said
+    False and ``fully_shard`` rebound every parameter, which a real run does not."""
+    return (
+        tensor.untyped_storage()._cdata == other.untyped_storage()._cdata
+        and tensor.storage_offset() == other.storage_offset()
+        and tensor.shape == other.shape
+        and tensor.stride() == other.stride()
+    )
 
 
 @contextmanager
@@ -161,3 +208,17 @@ def foreach_as_real() -> Iterator[None]:
     finally:
         for types in lists:
             types.remove(FakeTensor)
+
+
+def real_constant_tables() -> None:
+    """Build, with real tensors, the constant tables a runtime caches once per process and
+    device: AdamW8bit's code maps (``QuantMap.get``, 0.55 MiB per device). Built inside a dry
+    run they would be that run's fake tensors left in the cache, so a later dry run in the
+    same process would use them uncounted (its figures would depend on what ran before), and
+    their bisection on fake tensors takes most of a small dry run. Built here, before any
+    tally starts, no dry run counts them; a real job builds them once per process, outside
+    the per-rank memory the planner models (docs/dry_run.md)."""
+    from raggedfsdp.optim.quant import QuantMap
+
+    for signed in (True, False):
+        QuantMap.get(signed, torch.device("cpu"))

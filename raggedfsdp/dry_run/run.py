@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from raggedfsdp.dry_run.collectives import CollectiveCounter
-from raggedfsdp.dry_run.fake_values import ZeroValues, fake_addresses, foreach_as_real
+from raggedfsdp.dry_run.fake_values import (
+    ZeroValues,
+    fake_addresses,
+    foreach_as_real,
+    real_constant_tables,
+)
 from raggedfsdp.dry_run.report import StepReport
 from raggedfsdp.dry_run.tally import MemoryTally
 from raggedfsdp.dry_run.world import fake_world
@@ -59,6 +64,7 @@ def tensor_mode(tensors: Tensors) -> Iterator[None]:
     import torch.distributed._tools.fake_collectives  # noqa: F401  (c10d ops on fake tensors)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    real_constant_tables()
     with ExitStack() as stack:
         stack.enter_context(fake_addresses())
         stack.enter_context(foreach_as_real())

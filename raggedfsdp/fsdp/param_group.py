@@ -238,9 +238,12 @@ class ParamGroup:
         self._install("sharded")
 
     def use_unsharded_params(self) -> None:
+        frozen_or_thawed = False  # (then what the bookkeeping checks changes too)
         for mp in self.params:
-            if mp.unsharded.requires_grad != mp.sharded.requires_grad:
-                mp.unsharded.requires_grad_(mp.sharded.requires_grad)
+            trainable = mp.sharded.requires_grad
+            if mp.unsharded.requires_grad != trainable:
+                mp.unsharded.requires_grad_(trainable)
+                frozen_or_thawed = True
             view = self.compute.full_view(mp.fqn)
             if mp.tp is None and not mp.unsharded.is_set_to(view):  # (TP: never rebound)
                 # A module moved the parameter onto storage of its own (an RNN's
@@ -249,7 +252,8 @@ class ParamGroup:
                 # Pointed back (``.data``: no version bump for saved activations to trip on).
                 mp.unsharded.data = view
         self._install("unsharded")
-        self._note_trainable()
+        if frozen_or_thawed:
+            self._note_trainable()
 
     @property
     def read_in_backward(self) -> frozenset[int]:

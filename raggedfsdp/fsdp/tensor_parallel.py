@@ -28,16 +28,18 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from raggedfsdp.comm import ShardMesh
+from raggedfsdp.comm.mesh import product_group
 from raggedfsdp.fsdp.managed_param import ManagedParam
 from raggedfsdp.sharding import RaggedShard, ShardPolicy, resolve_units
 from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_of
-from raggedfsdp.sharding.tp_split import tp_block_note, tp_local_shape
+from raggedfsdp.sharding.tp_split import tp_split_note, tp_splits_local_shape
 
 __all__ = [
     "SPMDMesh",
@@ -77,14 +79,17 @@ def tp_shard_of(
     tp_mesh, placements = param.device_mesh, tuple(param.placements)
     where = f"parameter {fqn!r} is a DTensor with placements {placements} on a {tp_mesh}"
     if tp_mesh.ndim != 1:
-        raise ValueError(
-            f"{where}: without dp_mesh_dims fully_shard composes with tensor-parallel DTensors "
-            "on a 1-D TP mesh (parallelize_module(module, mesh['tp'], plan), then "
-            "fully_shard(..., mesh=mesh['dp_shard'])); for DTensors on the full mesh (torch's "
-            "SPMD form) pass fully_shard(..., mesh=<that mesh>, "
-            "dp_mesh_dims=DataParallelMeshDims(shard='dp_shard'))"
-        )
-    return _tp_record(where, param, tp_mesh, placements[0], mesh)
+        _check_disjoint(where, tp_mesh, mesh, _SPMD_HINT)
+    return _tp_record(where, param, tp_mesh, placements, mesh)
+
+
+_SPMD_HINT = (
+    "without dp_mesh_dims fully_shard composes with DTensors on other mesh dims than the "
+    "data-parallel ones (a 1-D TP mesh: parallelize_module(module, mesh['tp'], plan), then "
+    "fully_shard(..., mesh=mesh['dp_shard']); or several, e.g. experts on mesh['ep', 'tp']); "
+    "for DTensors on the full mesh (torch's SPMD form) pass fully_shard(..., mesh=<that mesh>, "
+    "dp_mesh_dims=DataParallelMeshDims(shard='dp_shard'))"
+)
 
 
 def _spmd_tp_shard_of(fqn: str, param: torch.Tensor, mesh: ShardMesh, spmd: SPMDMesh) -> TPShard:
@@ -113,9 +118,9 @@ def _spmd_tp_shard_of(fqn: str, param: torch.Tensor, mesh: ShardMesh, spmd: SPMD
                 f"{where}: with dp_mesh_dims it must be Replicate() on the data-parallel dim "
                 f"{names[i]!r}, not {placements[i]!r} (fully_shard shards it there); {fix}"
             )
-    tp = _tp_record(where, param, spmd.tp_mesh, placements[spmd.tp_dim], mesh)
+    tp = _tp_record(where, param, spmd.tp_mesh, (placements[spmd.tp_dim],), mesh)
     spmd_placements = list(placements)
-    spmd_placements[spmd.tp_dim] = tp.placement  # Shard(-1) normalised
+    spmd_placements[spmd.tp_dim] = tp.placements[0]  # Shard(-1) normalised
     return replace(tp, spmd_mesh=full, spmd_placements=tuple(spmd_placements))
 
 
@@ -123,26 +128,30 @@ def _tp_record(
     where: str,
     param: DTensor,
     tp_mesh: DeviceMesh,
-    placement: Placement,
+    placements: tuple[Placement, ...],
     mesh: ShardMesh,
 ) -> TPShard:
-    """The TP record of ``param``, whose placement on the 1-D ``tp_mesh`` is ``placement``."""
-    if isinstance(placement, _StridedShard) or not isinstance(placement, (Shard, Replicate)):
-        raise ValueError(
-            f"{where}: fully_shard composes with Shard(dim) and Replicate() TP placements only "
-            f"(as parallelize_module leaves them), not {placement!r}; redistribute it to one of "
-            "those before fully_shard (a Partial parameter has no values yet to shard)"
-        )
+    """The TP record of ``param``, whose placements on ``tp_mesh`` (1-D, or several dims such
+    as EP x TP's ``("ep", "tp")``) are ``placements``."""
+    for placement in placements:
+        if isinstance(placement, _StridedShard) or not isinstance(placement, (Shard, Replicate)):
+            raise ValueError(
+                f"{where}: fully_shard composes with Shard(dim) and Replicate() TP placements "
+                f"only (as parallelize_module leaves them), not {placement!r}; redistribute it "
+                "to one of those before fully_shard (a Partial parameter has no values yet to "
+                "shard)"
+            )
     shape = tuple(param.shape)
-    if isinstance(placement, Shard):
-        dim = placement.dim % len(shape)
-        placement = Shard(dim)
-        try:
-            tp_local_shape(shape, dim, tp_mesh.size())
-        except ValueError as error:
-            raise ValueError(f"{where}: its {error}") from None
+    placements = tuple(Shard(p.dim % len(shape)) if isinstance(p, Shard) else p for p in placements)
+    splits = [(p.dim, tp_mesh.size(i)) for i, p in enumerate(placements) if isinstance(p, Shard)]
+    try:
+        tp_splits_local_shape(shape, splits)
+    except ValueError as error:
+        raise ValueError(f"{where}: its {error}") from None
     _check_disjoint(where, tp_mesh, mesh)
-    tp = TPShard(tp_mesh, placement, shape, tuple(param.stride()), tp_mesh.get_local_rank())
+    coordinate = tuple(tp_mesh.get_coordinate())
+    group = _split_group(tp_mesh, placements)
+    tp = TPShard(tp_mesh, placements, shape, tuple(param.stride()), coordinate, group)
     if tuple(param.to_local().shape) != tp.local_shape:
         raise ValueError(
             f"{where}: its local tensor has shape {tuple(param.to_local().shape)}, not the "
@@ -152,10 +161,24 @@ def _tp_record(
     return tp
 
 
-def _check_disjoint(where: str, tp_mesh: torch.distributed.DeviceMesh, mesh: ShardMesh) -> None:
-    """The TP mesh must be another dim than the data-parallel ones: the only rank it shares
+def _split_group(tp_mesh: DeviceMesh, placements: tuple[Placement, ...]) -> ProcessGroup | None:
+    """The group over the mesh dims that split the tensor, row-major (``TPShard.split_group``):
+    one dim's own group, or the ``product_group`` of several (created once per set of dims;
+    ``fully_shard`` runs on every rank of the mesh, so every member asks for it)."""
+    groups = [tp_mesh.get_group(i) for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if not groups:
+        return None
+    group = groups[0]
+    for inner in groups[1:]:
+        group = product_group(group, inner)
+    return group
+
+
+def _check_disjoint(where: str, tp_mesh: DeviceMesh, mesh: ShardMesh, hint: str = "") -> None:
+    """The TP mesh must be other dims than the data-parallel ones: the only rank it shares
     with the shard and replicate groups is this one (else it is the dp mesh itself, or the
-    whole mesh was passed to fully_shard), and on the same device type."""
+    whole mesh was passed to fully_shard), and on the same device type. ``hint`` replaces the
+    fix the overlap's message names."""
     dp_mesh = mesh.device_mesh
     if dp_mesh is not None and dp_mesh.device_type != tp_mesh.device_type:
         raise ValueError(
@@ -168,11 +191,14 @@ def _check_disjoint(where: str, tp_mesh: torch.distributed.DeviceMesh, mesh: Sha
             dp_ranks.update(dist.get_process_group_ranks(group))
     shared = dp_ranks & set(tp_mesh.mesh.flatten().tolist())
     if shared - {dist.get_rank()}:
-        raise ValueError(
-            f"{where}, which shares ranks {sorted(shared)} with fully_shard's data-parallel "
-            "mesh: the TP mesh must be another dim of the same device mesh. Pass "
+        fix = hint or (
+            "the TP mesh must be another dim of the same device mesh. Pass "
             "fully_shard(..., mesh=mesh['dp_shard']) (or mesh['dp_replicate', 'dp_shard']) and "
             "parallelize_module(..., mesh['tp'], ...) of one init_device_mesh"
+        )
+        raise ValueError(
+            f"{where}, which shares ranks {sorted(shared)} with fully_shard's data-parallel "
+            f"mesh: {fix}"
         )
 
 
@@ -205,10 +231,10 @@ def _grad_placements(placements: tuple[Placement, ...], tp: TPShard) -> tuple[Pl
     by the group's own reduce-scatter, never by DTensor as well; any other dp placement is
     replicated first, so that the local tensor is the TP block."""
     if tp.spmd_mesh is None:
-        return (tp.placement,)
+        return tp.placements
     tp_dim = tp.spmd_mesh.mesh_dim_names.index(tp.mesh.mesh_dim_names[0])
     return tuple(
-        tp.placement if i == tp_dim else have if _reducible(have) else Replicate()
+        tp.placements[0] if i == tp_dim else have if _reducible(have) else Replicate()
         for i, have in enumerate(placements)
     )
 
@@ -237,8 +263,12 @@ def tp_block_notes(
     tensors = [(mp.fqn, mp.tp.global_shape, mp.original.dtype) for mp in tp_params]
     global_units = resolve_units(policy, tensors, world, {mp.fqn: mp.original for mp in tp_params})
     notes = (
-        tp_block_note(
-            mp.fqn, mp.tp.dim, mp.tp.size, mp.tp.global_shape, global_units[mp.fqn], units[mp.fqn]
+        tp_split_note(
+            mp.fqn,
+            [(d, mp.tp.mesh.size(i)) for i, d in mp.tp.splits],
+            mp.tp.global_shape,
+            global_units[mp.fqn],
+            units[mp.fqn],
         )
         for mp in tp_params
     )
@@ -249,9 +279,12 @@ def check_tp_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Refuse a raggedfsdp optimizer whose math does not know TP pieces
     (``handles_tensor_parallel``: a subclass written for data parallelism alone) on TP
     parameters: it would compute each TP block as if it were the whole tensor, unlike one
-    process. raggedfsdp's own know them (``Muon`` gathers each matrix over dp x TP,
-    ``AdamW8bit``, ``Shampoo`` and ``SOAP`` block the global tensor, refusing at construction
-    a split that cuts their blocks); torch's element-wise optimizers are exact on the pieces.
+    process. raggedfsdp's own know them (``Muon`` gathers each matrix over dp x TP;
+    ``AdamW8bit`` quantizes the global tensor's blocks, refusing at construction a split that
+    cuts one; ``Shampoo`` and ``SOAP`` precondition the global tensor's blocks, computing each
+    slab a TP split cuts on an owner over dp x TP, ``raggedfsdp.optim.tp_slabs``; a parameter
+    split over several mesh dims, EP x TP experts, is refused at construction by an optimizer
+    without ``handles_multi_dim_tp``); torch's element-wise optimizers are exact on the pieces.
     Raised by the step guard before the step touches anything."""
     from raggedfsdp.optim import ShardedOptimizer
 

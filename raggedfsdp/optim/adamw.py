@@ -21,6 +21,7 @@ from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec
 from raggedfsdp.optim.pieces import merge_runs, scalar_dtype, unwrap
+from raggedfsdp.optim.runs import RunPlan
 from raggedfsdp.sharding import ShardPolicy, element_units
 
 __all__ = ["AdamW", "adamw_update", "check_adam_args", "check_betas"]
@@ -88,6 +89,7 @@ def adamw_update(
     pieces: Sequence[Piece],
     state: Mapping[Tensor, Mapping[str, Tensor]],
     step: Tensor,
+    plans: dict[Any, RunPlan] | None = None,
 ) -> None:
     """One AdamW step of ``pieces`` (all with gradients, all at ``step`` before it), with the
     hyper-parameters of ``group`` (``torch.optim.AdamW``'s keys) and the moments in
@@ -97,17 +99,19 @@ def adamw_update(
     ``Muon`` on the groups it leaves to AdamW. Neighbouring sharded pieces are merged into runs
     first (element-wise math, so the bits are the same), then torch's own ``adam`` runs. ``step``
     is not modified (the caller's runtime increments it).
+
+    ``plans``: a cache of ``RunPlan`` s that the caller drops whenever it creates or replaces
+    state tensors; with it the runs are found once rather than every step.
     """
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
-    sharded, single = [], []
-    for pc in pieces:
-        moments = state[pc.param]
-        entry = [pc.local(), pc.local_grad(), *(unwrap(moments[k]) for k in keys)]
-        (sharded if pc.sharded else single).append(entry)
-    runs = merge_runs(sharded) + single
-    if not runs:
+    planned = None if plans is None else _planned_runs(plans, pieces, state, keys, step)
+    if planned is not None:
+        columns, steps = planned
+    else:
+        columns = _merged_columns(pieces, state, keys)
+        steps = [step.clone() for _ in columns[0]] if columns else []
+    if not steps:
         return
-    columns = [list(c) for c in zip(*runs, strict=True)]
     beta1, beta2 = group["betas"]
     adam(
         columns[0],
@@ -115,7 +119,7 @@ def adamw_update(
         columns[2],
         columns[3],
         columns[4] if group["amsgrad"] else [],
-        [step.clone() for _ in runs],  # torch increments these; the caller owns `step`
+        steps,  # torch increments these; the caller owns `step`
         foreach=group["foreach"],
         capturable=group["capturable"],
         differentiable=False,
@@ -130,6 +134,46 @@ def adamw_update(
         eps=group["eps"],
         maximize=group["maximize"],
     )
+
+
+def _merged_columns(
+    pieces: Sequence[Piece], state: Mapping[Tensor, Mapping[str, Tensor]], keys: list[str]
+) -> list[list[Tensor]]:
+    """Parameters, gradients and each moment, one list per column, over the merged runs of
+    the sharded pieces and the single ones (found from the addresses, this step)."""
+    sharded, single = [], []
+    for pc in pieces:
+        moments = state[pc.param]
+        entry = [pc.local(), pc.local_grad(), *(unwrap(moments[k]) for k in keys)]
+        (sharded if pc.sharded else single).append(entry)
+    runs = merge_runs(sharded) + single
+    return [list(c) for c in zip(*runs, strict=True)]
+
+
+def _planned_runs(
+    plans: dict[Any, RunPlan],
+    pieces: Sequence[Piece],
+    state: Mapping[Tensor, Mapping[str, Tensor]],
+    keys: list[str],
+    step: Tensor,
+) -> tuple[list[list[Tensor]], list[Tensor]] | None:
+    """The columns and step counters from the plan of ``pieces`` (planned now if there is
+    none, or if the parameters moved since); None for pieces a plan does not cover (single
+    mode) and for gradients that do not form its runs."""
+    key = (pieces[0].group_index, id(pieces[0]), len(pieces)) if pieces else None
+    plan = plans.get(key)
+    if plan is None or plan.pieces != list(pieces) or not plan.current():
+        plan = RunPlan.build(pieces, state, keys)
+        if plan is None:
+            return None
+        plans[key] = plan
+    grads = plan.gradients()
+    if grads is None:
+        return None
+    if not grads:  # every piece is empty on this rank
+        return [], []
+    fixed = plan.fixed
+    return [fixed[0], grads, *fixed[1:]], plan.step_counters(step)
 
 
 class AdamW(ShardedOptimizer):
@@ -150,6 +194,7 @@ class AdamW(ShardedOptimizer):
     """
 
     handles_tensor_parallel = True
+    handles_multi_dim_tp = True  # element-wise: any split is exact
 
     _state_keys_depend_on = ("amsgrad",)
 
@@ -213,4 +258,4 @@ class AdamW(ShardedOptimizer):
         return torch.tensor(0.0, dtype=scalar_dtype())
 
     def _update(self, group: dict[str, Any], pieces: Sequence[Piece], step: Tensor) -> None:
-        adamw_update(group, pieces, self.state, step)
+        adamw_update(group, pieces, self.state, step, self._step_plans)

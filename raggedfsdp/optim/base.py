@@ -26,6 +26,7 @@ parameter that misses a step gets its own counter from then on.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,27 @@ def _param_list(params: Any) -> list[Any]:
     return list(params)
 
 
+@dataclass(eq=False)
+class _GroupPlan:
+    """One param group as the step walks it, taken once: its pieces, its fsdp parameters (whose
+    versions the step bumps) and, once every piece has state, the state dicts, where the step
+    reads the shared counters. Dropped with the other plans when state is created or replaced."""
+
+    params: list[Any]  # the group's "params" list it was made from
+    pieces: list[Piece]
+    fsdp: list[Tensor]
+    states: list[dict[str, Tensor]] | None
+
+    def lockstep(self, stepping: list[Piece]) -> list[tuple[Tensor, list[Piece]]] | None:
+        """``_lockstep``'s answer where it is one class without a pass over the state: every
+        piece steps, every one has state and all share one counter; else None."""
+        if self.states is None or len(stepping) != len(self.pieces):
+            return None
+        steps = [s["step"] for s in self.states]
+        ids = list(map(id, steps))
+        return [(steps[0], self.pieces)] if ids.count(ids[0]) == len(ids) else None
+
+
 class ShardedOptimizer(ShardedState, Optimizer):
     """Base class: modes, drop-in buckets, checks and the step; subclasses write the math.
 
@@ -82,6 +104,9 @@ class ShardedOptimizer(ShardedState, Optimizer):
         self.skipped_steps = 0
         self._pieces: dict[Tensor, Piece] = {}
         self._buckets: list[DropInBucket] = []
+        self._group_plans: dict[int, _GroupPlan] = {}
+        self._step_plans: dict[Any, Any] = {}
+        self._own_grads: list[Tensor] = []  # single and fsdp parameters: zero_grad's
         self._built = False
         super().__init__(params, defaults)
         self._build(range(len(self.param_groups)))
@@ -147,6 +172,7 @@ class ShardedOptimizer(ShardedState, Optimizer):
             group = self.param_groups[gi]
             for i, p in enumerate(group["params"]):
                 piece = self._make_piece(p, self._name(gi, i), gi)
+                self._check_split_dims(piece)
                 self._check_piece(piece, group)
                 new.append(piece)
         if self._mesh.shard_size > 1 or self._mesh.replicate_size > 1:
@@ -157,6 +183,7 @@ class ShardedOptimizer(ShardedState, Optimizer):
             self._bucket(plain, policy)
         for pc in new:
             self._pieces[pc.param] = pc
+        self._own_grads += [pc.param for pc in new if pc.mode != "drop-in"]
         for gi in group_indices:
             self._allocate([pc for pc in new if pc.group_index == gi and pc.sharded])
 
@@ -248,16 +275,23 @@ class ShardedOptimizer(ShardedState, Optimizer):
             self.skipped_steps += 1  # nothing was updated: parameters and state stay as they were
             return loss
         updated: list[Tensor] = []
-        for group in self.param_groups:
-            pieces = [self._pieces[p] for p in group["params"]]
-            stepping = [pc for pc in pieces if has_grad[pc]]
+        for gi, group in enumerate(self.param_groups):
+            plan = self._group_plan(gi, group)
+            stepping = [pc for pc in plan.pieces if has_grad[pc]]
             if not stepping:
                 continue
-            self._allocate([pc for pc in stepping if pc.param not in self.state])
-            for step, members in self._lockstep(pieces, stepping):
+            classes = plan.lockstep(stepping)
+            if classes is None:  # some state missing, or counters apart: the general path
+                self._allocate([pc for pc in stepping if pc.param not in self.state])
+                classes = self._lockstep(plan.pieces, stepping)
+            for step, members in classes:
                 self._update(group, members, step)
                 step += 1
-            updated += [pc.param for pc in stepping if pc.mode == "fsdp"]
+            updated += (
+                plan.fsdp
+                if len(stepping) == len(plan.pieces)
+                else [pc.param for pc in stepping if pc.mode == "fsdp"]
+            )
         # The updates wrote local pieces below autograd (or through pointers): bump the
         # parameters' versions as torch's in-place updates do, so that fully_shard's kept
         # unsharded copies are seen stale
@@ -265,6 +299,16 @@ class ShardedOptimizer(ShardedState, Optimizer):
         for handle in [b.all_gather() for b in active]:
             handle.wait()
         return loss
+
+    def _group_plan(self, gi: int, group: dict[str, Any]) -> _GroupPlan:
+        plan = self._group_plans.get(gi)
+        if plan is None or plan.params is not group["params"]:
+            pieces = [self._pieces[p] for p in group["params"]]
+            fsdp = [pc.param for pc in pieces if pc.mode == "fsdp"]
+            have = all(pc.param in self.state for pc in pieces)
+            states = [self.state[pc.param] for pc in pieces] if have else None
+            plan = self._group_plans[gi] = _GroupPlan(group["params"], pieces, fsdp, states)
+        return plan
 
     def _gradient_flags(self) -> dict[Piece, bool]:
         """Which parameters have a gradient: ``p.grad`` for single/fsdp pieces; for drop-in ones,
@@ -275,16 +319,21 @@ class ShardedOptimizer(ShardedState, Optimizer):
                 continue
             grad = pc.param.grad
             flags[pc] = grad is not None
-            if grad is not None:
-                check_grad(pc.name, pc.param, grad)
-                if pc.mode == "fsdp" and (
-                    not isinstance(grad, RaggedTensor) or grad.ragged_shard != pc.spec
-                ):
-                    raise RuntimeError(
-                        f"parameter {pc.name!r}: in FSDP mode the gradient must be a RaggedTensor "
-                        f"split like the parameter, got {type(grad).__name__} "
-                        f"{getattr(grad, 'ragged_shard', '')}"
-                    )
+            if grad is None or (  # fully_shard's gradients: split by the parameter's own spec
+                type(grad) is RaggedTensor
+                and grad.ragged_shard is pc.spec
+                and grad.dtype == pc.param.dtype
+            ):
+                continue
+            check_grad(pc.name, pc.param, grad)
+            if pc.mode == "fsdp" and (
+                not isinstance(grad, RaggedTensor) or grad.ragged_shard != pc.spec
+            ):
+                raise RuntimeError(
+                    f"parameter {pc.name!r}: in FSDP mode the gradient must be a RaggedTensor "
+                    f"split like the parameter, got {type(grad).__name__} "
+                    f"{getattr(grad, 'ragged_shard', '')}"
+                )
         if self._buckets:
             local = [f for b in self._buckets for f in b.collect()]
             device = collective_device(self._mesh.shard_group)
@@ -336,12 +385,12 @@ class ShardedOptimizer(ShardedState, Optimizer):
         ``set_to_none`` then means "no gradient yet" for the next step."""
         for b in self._buckets:
             b.zero_grad(set_to_none)
-        for pc in self._pieces.values():
-            grad = pc.param.grad
-            if pc.mode == "drop-in" or grad is None:
+        for p in self._own_grads:
+            grad = p.grad
+            if grad is None:
                 continue
             if set_to_none:
-                pc.param.grad = None
+                p.grad = None
             else:
                 if grad.grad_fn is not None:
                     grad.detach_()

@@ -5,7 +5,9 @@ structure is set by ``max_preconditioner_dim``, ``merge_dims`` and ``preconditio
 value per optimizer because it decides the shard layout). This base class owns that structure:
 the shard policy (one slab per unit, so blocks are whole on ranks), the parameter checks, the
 per-slab state (declared by each optimizer as global shapes, slabs first, split by whole slabs
-on their owners) and the ``SlabRunner`` that computes each slab where it lies or on its owner.
+on their owners) and the ``SlabRunner`` that computes each slab where it lies or on its owner;
+for TP parameters whose TP split cuts the global tensor's blocks, the ``TPSlabRunner`` that
+computes each global slab on an owner over TP × data parallel (``tp_slabs``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from raggedfsdp.comm.mesh import MeshLike
 from raggedfsdp.optim.base import ShardedOptimizer
 from raggedfsdp.optim.contract import Piece, StateSpec, check_unit_alignment
 from raggedfsdp.optim.pieces import unwrap
-from raggedfsdp.optim.slabs import SlabRunner, Slabs
+from raggedfsdp.optim.slabs import SlabGeometry, SlabRunner, Slabs, SlabTask, SlabWork
+from raggedfsdp.optim.tp_slabs import TPSlabGeometry, TPSlabRunner
 from raggedfsdp.sharding import ShardPolicy
 from raggedfsdp.sharding.blocks import ShampooBlocks
 from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_split_of
@@ -71,6 +74,8 @@ class BlockedOptimizer(ShardedOptimizer):
         self.precondition_1d = bool(precondition_1d)
         self.factor_dtype = factor_dtype
         self._runner = SlabRunner(self._blocks)
+        self._tp_runner = TPSlabRunner(self._global_blocks)
+        self._cut: dict[Piece, bool] = {}
         self.last_step_stats: dict[str, int] = {}
         self._step_stats: dict[str, int] | None = None
         super().__init__(params, defaults, mesh=mesh)
@@ -121,40 +126,59 @@ class BlockedOptimizer(ShardedOptimizer):
         return self._blocks_of_shape(tuple(piece.param.shape)) is not None
 
     def _blocks(self, piece: Piece) -> Slabs:
-        """The blocks the math runs on: the parameter's, or for a TP-split one its TP block's
-        (``_check_tp_blocks`` made sure those are the global tensor's blocks)."""
+        """The blocks ``SlabRunner`` runs on: the parameter's, or for a TP-split one whose TP
+        blocks hold whole blocks, its TP block's (those are the global tensor's blocks)."""
         tp = tp_split_of(piece.spec)
         blocks = self._blocks_of_shape(_math_shape(piece, tp))
         if blocks is None:
             raise ValueError(f"parameter {piece.name!r} is not preconditioned with blocks")
         return blocks
 
-    def _check_tp_blocks(self, piece: Piece, tp: TPShard) -> None:
-        """A TP-split parameter is preconditioned in the blocks of its global tensor (as on
-        one process) by blocking each TP block's tensor: that needs the TP split to run along
-        of the blocked view's first two dims, through block boundaries, and (on the first)
-        to hold a contiguous run of its rows. Refused otherwise, naming the fix."""
-        name = type(self).__name__
-        where = self._split_by_tp(piece, tp)
-        if self.merge_dims:
-            raise ValueError(
-                f"{where}: {name}(merge_dims=True) would merge dims across the TP split; use "
-                "merge_dims=False, or AdamW for it"
-            )
+    def _global_blocks(self, piece: Piece) -> Slabs:
+        """The global tensor's blocks (``TPSlabRunner``'s, for TP-cut parameters)."""
+        blocks = self._blocks_of_shape(tuple(piece.param.shape))
+        if blocks is None:
+            raise ValueError(f"parameter {piece.name!r} is not preconditioned with blocks")
+        return blocks
+
+    def _cut_by_tp(self, piece: Piece) -> bool:
+        """Whether the TP split cuts the global tensor's blocks, so its slabs are computed on
+        owners over TP × data parallel (``tp_slabs``) rather than in each TP block."""
+        if piece not in self._cut:
+            tp = tp_split_of(piece.spec)
+            cut = tp is not None and self._preconditioned(piece)
+            self._cut[piece] = cut and not self._tp_blocks_whole(tp)
+        return self._cut[piece]
+
+    def _tp_blocks_whole(self, tp: TPShard) -> bool:
+        """Whether blocking each TP block's tensor gives the global tensor's blocks: the TP
+        split runs along the blocked view's first two dims, through block boundaries, and (on
+        the first) holds a contiguous run of its rows (the view's rows, or its second dim,
+        whose blocks and columns are outermost in the state's flat order, so the TP blocks'
+        state is a ``Shard`` of the global state)."""
         whole, local = self._blocks_of_shape(tp.global_shape), self._blocks_of_shape(tp.local_shape)
         dims = [] if local is None else _split_dims(whole, local, tp.size)
-        # the view's rows (a contiguous run of them), or its second dim, whose blocks and
-        # columns are outermost in the state's flat order (so the TP blocks' state is a Shard)
         i = dims[0] if len(dims) == 1 else -1
-        if i in (0, 1) and (i or tp.contiguous_run) and local.dims[i] % local.sides[i] == 0:
-            return
-        sides = None if whole is None else whole.sides
-        raise ValueError(
-            f"{where}: its TP block {tp.local_shape} does not hold whole blocks {sides} of the "
-            f"global {tp.global_shape} tensor (max_preconditioner_dim="
-            f"{self.max_preconditioner_dim}); choose a max_preconditioner_dim that divides the "
-            "TP block along the split dim, split on the first or last dim, or use AdamW for it"
-        )
+        return i in (0, 1) and bool(i or tp.contiguous_run) and local.dims[i] % local.sides[i] == 0
+
+    def _geometry(self, piece: Piece) -> SlabGeometry | TPSlabGeometry:
+        runner = self._tp_runner if self._cut_by_tp(piece) else self._runner
+        return runner.geometry(piece)
+
+    def _run_slabs(
+        self,
+        work: Sequence[SlabWork],
+        compute: Callable[[list[SlabTask]], list[Tensor]],
+        stats: dict[str, int],
+    ) -> None:
+        """Every slab of ``work`` computed by ``compute``: TP-cut parameters' on owners over
+        TP × data parallel, the others where they lie or on an owner over data parallel."""
+        cut = [w for w in work if self._cut_by_tp(w.piece)]
+        rest = [w for w in work if not self._cut_by_tp(w.piece)]
+        if rest:
+            self._runner.run(rest, compute, stats)
+        if cut:
+            self._tp_runner.run(cut, compute, stats)
 
     def _check_piece(self, piece: Piece, group: dict[str, Any]) -> None:
         """Floating point, the optimizer's block size in every group, contiguous in single
@@ -179,8 +203,11 @@ class BlockedOptimizer(ShardedOptimizer):
                 "(p.data = p.data.contiguous())"
             )
         tp = tp_split_of(piece.spec)
-        if tp is not None and self._preconditioned(piece):
-            self._check_tp_blocks(piece, tp)
+        if tp is not None and self.merge_dims and self._preconditioned(piece):
+            raise ValueError(
+                f"{self._split_by_tp(piece, tp)}: {name}(merge_dims=True) would merge dims "
+                "across the TP split; use merge_dims=False, or AdamW for it"
+            )
         if self.merge_dims and self._preconditioned(piece):
             unit = self._policy()(piece.name, piece.param)
             check_unit_alignment(piece, unit, f"{name}'s merged blocks (merge_dims=True)")
@@ -198,6 +225,8 @@ class BlockedOptimizer(ShardedOptimizer):
 
     def _slab_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
         """``StateSpec`` s of the per-slab state: this rank keeps the slabs it owns."""
+        if self._cut_by_tp(piece):
+            return self._tp_slab_specs(piece, group)
         geo = self._runner.geometry(piece)
         dtype = self._factor_dtype(piece)
         tp = tp_split_of(piece.spec)
@@ -217,9 +246,21 @@ class BlockedOptimizer(ShardedOptimizer):
             specs[key] = StateSpec(geo.num_owned * per_slab, dtype, whole[key], shard)
         return specs
 
+    def _tp_slab_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
+        """The per-slab state of a TP-cut parameter: the global tensor's, whole slabs on their
+        owners over TP × data parallel (``TPSlabGeometry``)."""
+        geo = self._tp_runner.geometry(piece)
+        dtype, specs = self._factor_dtype(piece), {}
+        for key, shape in self._slab_shapes(geo.blocks, group).items():
+            per_slab = math.prod(shape[1:])
+            shard = geo.slab_shard(f"{piece.name}.{key}", shape, per_slab)
+            over = (geo.rank, geo.group)
+            specs[key] = StateSpec(geo.num_owned * per_slab, dtype, shape, shard, over)
+        return specs
+
     def _slab_state(self, piece: Piece) -> dict[str, Tensor]:
         """This rank's per-slab state tensors, viewed ``(owned slabs, *shape[1:])``."""
-        geo = self._runner.geometry(piece)
+        geo = self._geometry(piece)
         state = self.state[piece.param]
         group = self.param_groups[piece.group_index]
         return {

@@ -116,12 +116,19 @@ class Piece:
             return grad
         return grad.local
 
-    def wrap(self, local: Tensor, spec: RaggedShard | None = None) -> Tensor:
+    def wrap(
+        self,
+        local: Tensor,
+        spec: RaggedShard | None = None,
+        over: tuple[int, dist.ProcessGroup | None] | None = None,
+    ) -> Tensor:
         """A state tensor as users and checkpoints see it: a ``RaggedTensor`` with the global shape
-        in sharded modes (``spec`` defaults to the parameter's), the tensor itself otherwise."""
+        in sharded modes (``spec`` defaults to the parameter's, split over ``over`` = ``(rank,
+        group)``, by default the parameter's), the tensor itself otherwise."""
         if not self.sharded:
             return local
-        return RaggedTensor(local, spec or self.spec, self.rank, self.pgroup)
+        rank, group = over or (self.rank, self.pgroup)
+        return RaggedTensor(local, spec or self.spec, rank, group)
 
 
 @dataclass(frozen=True)
@@ -133,12 +140,16 @@ class StateSpec:
         dtype: of the state.
         shape: global shape; None means the parameter's (and ``zeros_like`` in single mode).
         shard: its global split in the sharded modes; None means the parameter's.
+        over: ``(rank, group)`` that ``shard`` splits it over, where that is not the
+            parameter's data-parallel group (a blocked optimizer's blocks owned over
+            TP × data parallel); None means the parameter's.
     """
 
     numel: int
     dtype: torch.dtype
     shape: tuple[int, ...] | None = None
     shard: RaggedShard | None = None
+    over: tuple[int, dist.ProcessGroup | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,10 @@ class OptimizerHooks(ABC):
     #: first ``step()`` of an optimizer that does not, which would treat a TP block as the
     #: whole tensor; element-wise math needs nothing to set it.
     handles_tensor_parallel: bool = False
+    #: Whether it also knows pieces of a tensor split on several mesh dims (EP x TP experts:
+    #: ``Shard(0)`` over ``ep``, ``Shard(1)`` over ``tp``; ``len(tp.dims) > 1``). Refused at
+    #: construction otherwise (``_check_split_dims``), before any state is laid out.
+    handles_multi_dim_tp: bool = False
 
     @classmethod
     @abstractmethod

@@ -48,7 +48,7 @@ from raggedfsdp.optim.owner_compute import ExchangePlan
 from raggedfsdp.optim.pieces import scalar_dtype, unwrap
 from raggedfsdp.sharding import resolve_units
 from raggedfsdp.sharding.owners import Job, assign_owners, ns_flops
-from raggedfsdp.sharding.tp_shard import tp_split_of
+from raggedfsdp.sharding.tp_shard import TPShard, tp_split_of
 from raggedfsdp.sharding.units import (
     DEFAULT_MAX_EXTRA_PADDING,
     MuonShardPolicy,
@@ -261,6 +261,7 @@ class Muon(ShardedOptimizer):
     """
 
     handles_tensor_parallel = True
+    handles_multi_dim_tp = True  # EP x TP experts: each expert from its EP rank's TP blocks
 
     _state_keys_depend_on = ("use_muon",)
 
@@ -351,6 +352,15 @@ class Muon(ShardedOptimizer):
                 f"per expert): parameter {piece.name!r} has shape {shape}. Put it in a "
                 "use_muon=False group (AdamW); split_muon_params(model) does that"
             )
+        tp = tp_split_of(piece.spec)
+        if group["use_muon"] and tp is not None:
+            across = [d for d in tp.dims if not (len(shape) == 3 and d == 0)]
+            if len(across) > 1:
+                raise ValueError(
+                    f"{self._split_by_tp(piece, tp)}: Muon assembles each matrix from blocks "
+                    "of its rows or of its columns, not both; split it on one of them, or put "
+                    "it in a use_muon=False group (AdamW)"
+                )
 
     def _state_specs(self, piece: Piece, group: dict[str, Any]) -> dict[str, StateSpec]:
         keys = ["momentum_buffer"] if group["use_muon"] else ["exp_avg", "exp_avg_sq"]
@@ -643,14 +653,17 @@ def _matrices(pc: Piece, steps: int) -> Iterator[tuple[_Matrix, Job]]:
     local = shape if tp is None else tp.local_shape
     count, (m, n) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
     size = math.prod(local[-2:])
-    tp_size, tp_rank = (1, 0) if tp is None else (tp.size, tp.rank)
-    experts_split = tp is not None and len(shape) == 3 and tp.dim == 0
+    tp_rank = 0 if tp is None else tp.rank
+    # the TP blocks' expert ranges (their offset on dim 0 of a stacked tensor) in rank order
+    starts = _expert_starts(tp, len(shape))
     bounds = None if pc.spec is None else pc.spec.bounds
     base = 0 if bounds is None else bounds[pc.rank]
     cost = float(ns_flops(m, n, steps))
     for e in range(count):
         # (TP rank, matrix in its block) of each TP block holding part of matrix e
-        holders = [divmod(e, local[0])] if experts_split else [(t, e) for t in range(tp_size)]
+        holders = [(t, e - s) for t, s in enumerate(starts) if 0 <= e - s < local[0]]
+        if len(shape) != 3:
+            holders = [(t, e) for t in range(len(starts))]
         pieces, lo, hi = [], 0, 0
         for t, block_e in holders:
             start, stop = block_e * size, (block_e + 1) * size
@@ -658,11 +671,34 @@ def _matrices(pc: Piece, steps: int) -> Iterator[tuple[_Matrix, Job]]:
                 held = ((0, size),)
             else:
                 held = Job.spanning(start, stop, bounds, cost).pieces
-            pieces += [(d * tp_size + t, k) for d, k in held]
+            pieces += [(d * len(starts) + t, k) for d, k in held]
             if t == tp_rank:
                 lo = max(start - base, 0)
                 hi = max(min(stop - base, pc.numel), lo)
         name = pc.name if count == 1 else f"{pc.name}[{e}]"
-        columns = len(holders) > 1 and tp.dim == len(shape) - 1
+        columns = len(holders) > 1 and tp.dim == len(shape) - 1  # (the matrix's split dim)
         matrix = _Matrix(pc, name, (m, n), lo, hi, len(holders), columns)
         yield matrix, Job(tuple(pieces), cost)
+
+
+def _expert_starts(tp: TPShard | None, ndim: int) -> list[int]:
+    """Per TP rank (``tp.rank`` order): the first matrix its block holds along dim 0 of a
+    stacked ``(E, m, n)`` tensor (0 for all when dim 0 is not split, or for a matrix).
+
+    Under EP x TP (``Shard(0)`` over ``ep``, ``Shard(1)`` or ``Shard(2)`` over ``tp``) an
+    expert is held by the TP ranks of one EP rank, its rows or columns split among them in
+    rank order; ``_check_piece`` refuses a matrix whose rows and columns are both split."""
+    if tp is None:
+        return [0]
+    sizes = [tp.mesh.size(i) for i, _ in tp.splits]
+    starts = []
+    for t in range(tp.size):
+        coordinate, index, start = [], t, 0
+        for size in reversed(sizes):
+            coordinate.append(index % size)
+            index //= size
+        for (_, d), c in zip(tp.splits, reversed(coordinate), strict=True):
+            if ndim == 3 and d == 0:
+                start = c * tp.local_shape[0]
+        starts.append(start)
+    return starts

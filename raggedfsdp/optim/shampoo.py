@@ -13,7 +13,9 @@ blocks of at most ``B × B``, ``B = max_preconditioner_dim``
 shard_policy=Shampoo.shard_policy())`` and in the drop-in mode every block lies whole on one
 rank: factors, inverse roots and preconditioning are local and no optimizer byte crosses the
 network; the layout itself spreads the eigendecompositions over ranks. A layout that cuts slabs
-still works: each cut slab is computed by its owner (``raggedfsdp.optim.slabs``).
+still works: each cut slab is computed by its owner (``raggedfsdp.optim.slabs``), as is each
+slab a tensor-parallel split cuts, on an owner over TP × data parallel
+(``raggedfsdp.optim.tp_slabs``).
 
 Per-element state (filtered gradient, grafting second moment, momentum) is split like the
 parameter. Per-block state (factors ``L``, ``R`` and their inverse roots) is stored per
@@ -207,8 +209,10 @@ def precondition(block: _Block, f_hat: Tensor, exponents: tuple[float, float]) -
 
 
 def graft(s: Tensor, a: Tensor) -> Tensor:
-    """Step 7: ``s`` scaled to the grafted direction's norm, ``s · ‖a‖ / (‖s‖ + 1e-16)``."""
-    a_norm = torch.linalg.vector_norm(a.to(s.dtype))
+    """Step 7: ``s`` scaled to the grafted direction's norm, ``s · ‖a‖ / (‖s‖ + 1e-16)``.
+    ``‖a‖`` of a fresh contiguous copy: a norm of a strided view (a block of a wider slab)
+    has other bits than one of the same values in a block a TP rank holds whole."""
+    a_norm = torch.linalg.vector_norm(a.to(s.dtype, copy=True).contiguous())
     return s * (a_norm / (torch.linalg.vector_norm(s) + _GRAFT_TINY))
 
 
@@ -292,9 +296,8 @@ def direction_batch(batch: Sequence[_Placed], tasks: Sequence[SlabTask], h: _Hyp
         s = torch.bmm(s, torch.stack([p.block.R_inv for p in batch]))
     if h.grafting is None:
         return s
-    # per block, as ``graft`` takes them: a norm of a strided view has other bits than a norm
-    # of the same values stacked (the reduction order differs); one foreach call still
-    a = [tasks[p.task].inputs["graft"][:, p.cols].to(dtype) for p in batch]
+    # per block, as ``graft`` takes them (fresh contiguous copies), by one foreach call
+    a = [tasks[p.task].inputs["graft"][:, p.cols].to(dtype, copy=True).contiguous() for p in batch]
     a_norm = torch.stack(torch._foreach_norm(a))
     scale = a_norm / (torch.linalg.vector_norm(s, dim=(1, 2)) + _GRAFT_TINY)
     return s.mul_(scale[:, None, None])
@@ -540,7 +543,7 @@ class Shampoo(BlockedOptimizer):
         blocked = [SlabWork(w.piece, w.inputs, w.direction) for w in work]
         blocked = [sw for sw in blocked if self._preconditioned(sw.piece)]
         if blocked:
-            self._runner.run(
+            self._run_slabs(
                 blocked, lambda tasks: shampoo_slabs(tasks, self._slab_state, h, stats), stats
             )
         for w in work:

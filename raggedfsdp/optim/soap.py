@@ -454,7 +454,7 @@ class SOAP(BlockedOptimizer):
                         slab_sums[task.piece, task.slab] = sum_of_squares(out)
                 return outs
 
-            self._runner.run(blocked, compute, stats)
+            self._run_slabs(blocked, compute, stats)
         if h.t == 0:
             return
         for w in work:
@@ -489,7 +489,7 @@ class SOAP(BlockedOptimizer):
         for w in work:
             if self._preconditioned(w.piece):
                 zero = torch.zeros((), dtype=torch.float64, device=w.out.device)
-                slabs = range(self._runner.geometry(w.piece).blocks.num_slabs)
+                slabs = range(self._geometry(w.piece).blocks.num_slabs)
                 parts.append(torch.stack([slab_sums.get((w.piece, i), zero) for i in slabs]))
             else:  # whole here, or empty (a sum of zero)
                 parts.append(sum_of_squares(w.out).view(1))

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from raggedfsdp.optim.contract import Mode, OptimizerHooks, Piece, StateBytes, StateSpec
 from raggedfsdp.optim.pieces import storage_bytes, unwrap
 from raggedfsdp.sharding import RaggedTensor
-from raggedfsdp.sharding.tp_shard import TPShard
+from raggedfsdp.sharding.tp_shard import TPShard, tp_of
 
 __all__ = ["ShardedState", "names_from"]
 
@@ -39,6 +39,11 @@ class ShardedState(OptimizerHooks):
     state: Any
     param_groups: list[dict[str, Any]]
     _pieces: dict[Tensor, Piece]
+    #: What the step plans once and reuses while the state stays (the runtime's per-group
+    #: lists, an optimizer's merged runs); dropped whenever state tensors are created or
+    #: replaced (``_forget_plans``).
+    _group_plans: dict[int, Any]
+    _step_plans: dict[Any, Any]
     #: Parameter names from the model being loaded into (see ``names_from``).
     _model_names: Mapping[Tensor, str] = MappingProxyType({})
 
@@ -48,6 +53,7 @@ class ShardedState(OptimizerHooks):
         share a step counter per device."""
         if not pieces:
             return
+        self._forget_plans()
         group = self.param_groups[pieces[0].group_index]
         specs = {pc: self._state_specs(pc, group) for pc in pieces}
         packed = _packed_state([pc for pc in pieces if pc.sharded], specs)
@@ -66,6 +72,11 @@ class ShardedState(OptimizerHooks):
                     shape = spec.shape if spec.shape is not None else pc.param.shape
                     state[key] = torch.zeros(shape, dtype=spec.dtype, device=device)
             self.state[pc.param] = state
+
+    def _forget_plans(self) -> None:
+        """State tensors are about to be created or replaced: plans that hold them go."""
+        self._group_plans.clear()
+        self._step_plans.clear()
 
     def init_state(self) -> None:
         """Create the (zero) state of every parameter that has none yet.
@@ -138,6 +149,7 @@ class ShardedState(OptimizerHooks):
                 sg["param_names"] = g["param_names"]
             self.param_groups[gi] = sg
             self._share_steps(sg, [p for p in g["params"] if p in values], values)
+        self._forget_plans()  # (the loaded values went into the same tensors; counters are new)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -164,6 +176,7 @@ class ShardedState(OptimizerHooks):
 
     def _reset_state(self, p: Tensor) -> None:
         """No saved state for ``p``: as if it had never stepped."""
+        self._forget_plans()
         piece = self._pieces[p]
         if not piece.sharded:
             self.state.pop(p, None)
@@ -210,9 +223,28 @@ class ShardedState(OptimizerHooks):
         """How refusals of a TP-split parameter begin: the parameter, and the mesh dim that
         splits it (``tp``, or ``ep`` for experts, which take the same path)."""
         names = tp.mesh.mesh_dim_names
-        dim = f"the {names[0]!r} mesh dim" if names else "a tensor-parallel mesh dim"
-        split = f"{tp.placement!r} over {tp.size} ranks"
+        if not names:
+            dim = "a tensor-parallel mesh dim"
+        elif len(names) == 1:
+            dim = f"the {names[0]!r} mesh dim"
+        else:
+            dim = f"the {' x '.join(map(repr, names))} mesh dims"
+        split = f"{tp.placement!r} over {' x '.join(map(str, tp.mesh.shape))} ranks"
         return f"parameter {self._label(piece)} is split over {dim} ({split})"
+
+    def _check_split_dims(self, piece: Piece) -> None:
+        """Refuse, at construction, a parameter split on several mesh dims (EP x TP experts)
+        for an optimizer whose math blocks the global tensor along one TP split only
+        (``handles_multi_dim_tp`` unset), naming the fix."""
+        tp = tp_of(piece.spec)
+        if tp is None or len(tp.dims) < 2 or self.handles_multi_dim_tp:
+            return
+        kind = type(self).__name__
+        raise ValueError(
+            f"{self._split_by_tp(piece, tp)}: {kind} lays its blocks along one split dim, not "
+            f"{len(tp.dims)}; give it to AdamW or Muon (a param group of their own), or split "
+            f"it on one of {tp.mesh.mesh_dim_names} only"
+        )
 
     def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:
         """Copy a saved entry that ``_check_state`` accepted into ``piece``'s state."""
@@ -266,7 +298,8 @@ def _packed_state(
         offset = 0
         for pc in members:
             n = specs[pc][key].numel
-            packed[pc][key] = pc.wrap(buf[offset : offset + n], specs[pc][key].shard)
+            spec = specs[pc][key]
+            packed[pc][key] = pc.wrap(buf[offset : offset + n], spec.shard, spec.over)
             offset += n
     return packed
 

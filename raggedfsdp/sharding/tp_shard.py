@@ -12,6 +12,13 @@ the record then also keeps that mesh and the parameter's placements on it, so th
 handed the same full-mesh DTensor, while everything else (gathers, reductions, boxes) works on
 the TP dim alone, as for the 1-D form.
 
+A parameter may be split on several mesh dims other than the data-parallel ones: EP x TP
+experts are DTensors on ``mesh["ep", "tp"]``, ``(Shard(0), Shard(1))``. The record then keeps
+that mesh and one placement per dim; ``splits`` names the ``(mesh dim, tensor dim)`` pairs,
+and everything positional (``local_shape``, ``offsets``, ``local_of``, ``global_box``) applies
+each of them, while whole-tensor answers reduce over one group spanning the split dims
+(``split_group``). A 1-D record is the special case with one pair.
+
 The TP record lives *in the spec* on purpose: optimizers build their sharded state as
 ``RaggedTensor(local, param.ragged_shard, ...)``, so state tensors made from a TP parameter's
 spec know their global shape and placement too (full state dicts and DCP boxes in global
@@ -34,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from raggedfsdp.sharding.ragged_shard import Box, RaggedShard
-from raggedfsdp.sharding.tp_split import tp_local_shape
+from raggedfsdp.sharding.tp_split import tp_splits_local_shape
 
 __all__ = ["TPRaggedShard", "TPShard", "global_shape_of", "tp_of", "tp_split_of"]
 
@@ -44,23 +51,30 @@ class TPShard:
     """Where one TP rank's local tensor lies in the global tensor.
 
     Args:
-        mesh: the 1-D TP ``DeviceMesh`` the DTensor lives on.
-        placement: ``Shard(d)`` or ``Replicate()`` (``fully_shard`` refuses any other).
+        mesh: the ``DeviceMesh`` the DTensor lives on, other dims than the data-parallel
+            ones: the 1-D TP mesh, or several dims (EP x TP experts on ``mesh["ep", "tp"]``).
+        placements: one per dim of ``mesh``, ``Shard(d)`` or ``Replicate()`` (``fully_shard``
+            refuses any other, and a tensor dim split on two mesh dims).
         global_shape: the DTensor's global shape.
         global_stride: the DTensor's global stride (TP's hooks compare it).
-        rank: this process's coordinate on ``mesh``.
+        coordinate: this process's coordinate on ``mesh``, one per dim.
+        split_group: the process group over the mesh dims that split the tensor (their ranks
+            row-major, ``rank`` the position in it): the dim's own group for one, a
+            ``product_group`` for several, made once by ``fully_shard``; ``None`` when nothing
+            is split.
         spmd_mesh: torch 2.13's SPMD form (``fully_shard(..., dp_mesh_dims=...)``): the full
             mesh the parameter is a DTensor on, ``mesh`` being its TP dim; ``None`` when the
-            parameter is a DTensor on the 1-D TP mesh itself.
+            parameter is a DTensor on ``mesh`` itself.
         spmd_placements: the parameter's placements on ``spmd_mesh`` (``Replicate()`` on every
             data-parallel dim, ``placement`` on the TP dim), as the module is handed it.
     """
 
     mesh: DeviceMesh
-    placement: Placement
+    placements: tuple[Placement, ...]
     global_shape: tuple[int, ...]
     global_stride: tuple[int, ...]
-    rank: int
+    coordinate: tuple[int, ...]
+    split_group: ProcessGroup | None = None
     spmd_mesh: DeviceMesh | None = None
     spmd_placements: tuple[Placement, ...] | None = None
 
@@ -70,62 +84,100 @@ class TPShard:
         return self
 
     @property
-    def size(self) -> int:
-        """The TP degree."""
-        return self.mesh.size()
+    def placement(self) -> Placement | tuple[Placement, ...]:
+        """The placement on a 1-D mesh; the tuple of them on several dims (for messages)."""
+        return self.placements[0] if len(self.placements) == 1 else self.placements
+
+    @property
+    def splits(self) -> tuple[tuple[int, int], ...]:
+        """``(mesh dim, tensor dim)`` of every mesh dim that splits the tensor, in mesh order."""
+        return tuple((i, p.dim) for i, p in enumerate(self.placements) if isinstance(p, Shard))
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """The global dims the split cuts, in mesh order (empty when replicated)."""
+        return tuple(d for _, d in self.splits)
 
     @property
     def dim(self) -> int | None:
-        """The global dim the TP split cuts, or ``None`` for ``Replicate()``."""
-        return self.placement.dim if isinstance(self.placement, Shard) else None
+        """The global dim the TP split cuts, or ``None`` for ``Replicate()``; with several
+        split dims the innermost, which sets the contiguous runs a block holds (the outer
+        ones only choose which runs)."""
+        return max(self.dims) if self.dims else None
+
+    @property
+    def size(self) -> int:
+        """The TP degree: the ranks of the split dims (the mesh's when nothing is split)."""
+        if not self.splits:
+            return self.mesh.size()
+        return math.prod(self.mesh.size(i) for i, _ in self.splits)
+
+    @property
+    def rank(self) -> int:
+        """This rank's position among the split dims' ranks (row-major; ``split_group``'s)."""
+        index = 0
+        for i, _ in self.splits:
+            index = index * self.mesh.size(i) + self.coordinate[i]
+        return index
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        return tp_local_shape(self.global_shape, self.dim, self.size)
+        degrees = ((d, self.mesh.size(i)) for i, d in self.splits)
+        return tp_splits_local_shape(self.global_shape, tuple(degrees))
 
     @property
-    def offset(self) -> int:
-        """Start of this rank's block along ``dim`` (0 when replicated)."""
-        return 0 if self.dim is None else self.rank * self.local_shape[self.dim]
+    def offsets(self) -> tuple[int, ...]:
+        """Start of this rank's block along every global dim (0 where not split)."""
+        offsets, local = [0] * len(self.global_shape), self.local_shape
+        for i, d in self.splits:
+            offsets[d] = self.coordinate[i] * local[d]
+        return tuple(offsets)
 
     @property
     def reduce_group(self) -> ProcessGroup | None:
         """The group over which whole-tensor answers (norms, sums, ``equal``) must also be
-        combined: the TP group when the ranks hold different blocks, ``None`` when they hold
-        the same (replicated) values, which must be counted once."""
-        return None if self.dim is None else self.mesh.get_group(0)
+        combined: the split dims' group when the ranks hold different blocks, ``None`` when
+        they hold the same (replicated) values, which must be counted once."""
+        return self.split_group
 
     @property
     def contiguous_run(self) -> bool:
-        """Whether this rank's block is one contiguous range of the global flat tensor: the
-        split is on the first dim of more than one element (or there is none)."""
-        return self.dim is None or math.prod(self.global_shape[: self.dim]) == 1
+        """Whether this rank's block is one contiguous range of the global flat tensor: every
+        dim before the innermost split one holds one index (or nothing is split)."""
+        return self.dim is None or math.prod(self.local_shape[: self.dim]) == 1
 
     def derived(self, global_shape: tuple[int, ...], dim: int | None) -> TPShard:
         """The record of a tensor derived from this one block by block (an optimizer's state
         grid): ``global_shape``, split on ``dim`` over the same TP ranks (``None``:
-        replicated)."""
+        replicated). For a tensor split on one mesh dim (optimizers that derive state grids
+        refuse several: ``OptimizerHooks.handles_tensor_parallel_dims``)."""
+        if len(self.placements) != 1:
+            raise ValueError(
+                f"a state grid derived from a tensor split on {self.placements} over "
+                f"{self.mesh.mesh_dim_names}: derived records are for one split mesh dim"
+            )
         placement = Replicate() if dim is None else Shard(dim)
         stride = [1] * len(global_shape)
         for i in range(len(global_shape) - 2, -1, -1):
             stride[i] = stride[i + 1] * global_shape[i + 1]
-        return TPShard(self.mesh, placement, tuple(global_shape), tuple(stride), self.rank)
+        group = None if dim is None else self.mesh.get_group(0)
+        return TPShard(
+            self.mesh, (placement,), tuple(global_shape), tuple(stride), self.coordinate, group
+        )
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:
         """This TP rank's block of a tensor of the global shape (a view)."""
-        return (
-            full
-            if self.dim is None
-            else full.narrow(self.dim, self.offset, self.local_shape[self.dim])
-        )
+        local, offsets = self.local_shape, self.offsets
+        for d in self.dims:
+            full = full.narrow(d, offsets[d], local[d])
+        return full
 
     def global_box(self, box: Box) -> Box:
         """A box of the local tensor in global coordinates (for DCP chunks)."""
-        if self.dim is None or not box.offsets:
+        if not self.dims or not box.offsets:
             return box
-        offsets = list(box.offsets)
-        offsets[self.dim] += self.offset
-        return Box(tuple(offsets), box.sizes)
+        offsets = tuple(o + s for o, s in zip(box.offsets, self.offsets, strict=True))
+        return Box(offsets, box.sizes)
 
     def dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's block) as the DTensor TP's hooks expect: same mesh, placement,
@@ -133,7 +185,7 @@ class TPShard:
         placements there). No communication; shares ``local``'s storage."""
         if self.spmd_mesh is not None:
             return self._from_local(local, self.spmd_mesh, self.spmd_placements)
-        return self._from_local(local, self.mesh, (self.placement,))
+        return self._from_local(local, self.mesh, self.placements)
 
     def _from_local(
         self, local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...]
@@ -148,11 +200,11 @@ class TPShard:
         )
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """The global tensor from this rank's block (one collective over the TP group when
-        sharded, none when replicated)."""
-        if self.dim is None:
+        """The global tensor from this rank's block (collectives over the split dims, none
+        when replicated)."""
+        if not self.dims:
             return local
-        return self._from_local(local, self.mesh, (self.placement,)).full_tensor()
+        return self._from_local(local, self.mesh, self.placements).full_tensor()
 
 
 @dataclass(frozen=True, repr=False)

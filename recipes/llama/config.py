@@ -74,7 +74,9 @@ class Config:
     eps: Annotated[float, "Adam epsilon"] = 1e-8
     grad_clip: Annotated[float, "max global gradient norm (0: no clipping)"] = 1.0
     preconditioner_dim: Annotated[
-        int, "Shampoo/SOAP block side (max_preconditioner_dim); with --tp it must divide them"
+        int,
+        "Shampoo/SOAP block side (max_preconditioner_dim); with --tp/--ep, blocks the split "
+        "cuts are computed on owners (one dividing the TP/EP blocks moves nothing)",
     ] = 1024
     # parallelism and memory
     fsdp: Annotated[Literal["raggedfsdp", "fsdp2"], "raggedfsdp | fsdp2 (PyTorch)"] = "raggedfsdp"
@@ -143,7 +145,7 @@ class Config:
             )
         if not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.decay_fraction <= 1:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
-        check_ep(self)  # first: --ep with --tp is refused as EP x TP, not as TP of a MoE
+        check_ep(self)
         check_tp(self.model, self.seq_len, self.tp, self.all_gather)
         check_pp(self)
 
@@ -220,12 +222,6 @@ def check_ep(cfg: Config) -> None:
         raise ConfigError(
             f"--ep {ep} does not divide model.n_experts={experts} (each EP rank holds "
             f"n_experts / ep whole experts): use --ep {', '.join(fits[:-1])} or {fits[-1]}"
-        )
-    if cfg.tp > 1:
-        raise ConfigError(
-            f"--ep {ep} with --tp {cfg.tp}: EP x TP is not supported yet (the experts would be "
-            "DTensors on two mesh dims, which fully_shard does not take); use --tp 1, or --ep 1 "
-            "(--tp alone splits every expert's d_ff)"
         )
 
 

@@ -35,7 +35,7 @@ from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import model_class
 from recipes.llama.optimizers import CHOICES, build_optimizer, optimizer_class, shard_policy
 
-__all__ = ["DryRun", "main", "parse_dry_run", "run", "split_argv"]
+__all__ = ["DryRun", "expert_impl_for", "main", "parse_dry_run", "run", "split_argv"]
 
 FLAGS = ("--dry-run", "--dry-run-tensors")
 
@@ -174,14 +174,23 @@ def check_real_fits(cfg: Config) -> None:
         )
 
 
+def expert_impl_for(cfg: Config) -> str:
+    """The expert path a dry run takes for ``expert_impl="auto"``.
+
+    bf16 compute (``--mixed-precision bf16``): ``grouped_mm``, the path a CUDA job takes.
+    Otherwise the per-expert loop: torch's meta (so fake) ``grouped_mm`` accepts bf16 inputs
+    only (torch 2.13), and the loop is what ``auto`` runs on CPU. The loop reads the routing
+    counts, which ``ZeroValues`` answers as zeros: every token goes to expert 0, so the loop's
+    per-expert temporaries are the whole routed batch's, the most a real, unbalanced routing
+    could make them; the saved activations are the same in total either way."""
+    return "grouped_mm" if cfg.mixed_precision == "bf16" else "loop"
+
+
 def run(cfg: Config, request: DryRun, steps: int = 2) -> StepReport:
     """The dry run of ``cfg`` as ``request``'s rank (see the module docstring); ``steps=0``
     measures the set-up alone.
 
-    MoE models run their experts with ``grouped_mm`` where ``expert_impl`` is ``auto``: the
-    CPU loop reads the routing counts as Python numbers, which fake tensors do not have, while
-    ``grouped_mm`` (the CUDA path a GPU job takes) reads none and allocates the same
-    activations."""
+    MoE models with ``expert_impl="auto"`` run their experts as ``expert_impl_for`` says."""
     rank, world_size, tensors = request
     if cfg.pp > 1:
         raise ConfigError(
@@ -189,9 +198,8 @@ def run(cfg: Config, request: DryRun, steps: int = 2) -> StepReport:
             "a pipeline stage; use --pp 1 (a stage holds about 1/pp of the layers' memory)"
         )
     if isinstance(cfg.model, MoEConfig) and cfg.model.expert_impl == "auto":
-        cfg = dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, expert_impl="grouped_mm")
-        )
+        impl = expert_impl_for(cfg)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, expert_impl=impl))
     if isinstance(cfg.model, MoEConfig):
         parallel.check_ep_world(cfg.ep, world_size, cfg.model.n_experts)
     parallel.check_world(cfg.tp, cfg.dp_replicate, world_size)

@@ -62,32 +62,40 @@ EXPERT_PARAMS = ("w1", "w2", "w3")
 
 
 def ep_meshes(
-    ep: int, device_type: str = "cpu", world: int | None = None, replicate: int = 1
+    ep: int, device_type: str = "cpu", world: int | None = None, replicate: int = 1, tp: int = 1
 ) -> tuple[DeviceMesh, DeviceMesh]:
     """``(mesh, dp_mesh)``: the ``("dp_shard_mod_ep", "ep")`` mesh and its two dims flattened
     into ``"dp_shard"`` (every rank, rank ``i * ep + j`` at (i, j)), the dense parameters'
     fully_shard mesh and the batch's data-parallel split. With ``replicate`` above 1 (HSDP x
     EP) a ``"dp_replicate"`` dim comes first: ``mesh`` is ``(dp_replicate, dp_shard_mod_ep,
     ep)`` and ``dp_mesh`` the 2-D ``(dp_replicate, dp_shard)`` HSDP mesh; the experts shard
-    over ``expert_dp_mesh(mesh)``, ``(dp_replicate, dp_shard_mod_ep)``."""
+    over ``expert_dp_mesh(mesh)``, ``(dp_replicate, dp_shard_mod_ep)``. With ``tp`` above 1
+    (EP x TP, torchtitan's layout) a ``"tp"`` dim comes last, so that a TP group is
+    neighbouring ranks: ``dp_shard`` (every rank of one TP coordinate) is what EP splits, and
+    the experts are DTensors on ``mesh["ep", "tp"]``."""
     world = dist.get_world_size() if world is None else world
-    if ep < 1 or replicate < 1 or world % (ep * replicate):
+    if ep < 1 or replicate < 1 or tp < 1 or world % (ep * replicate * tp):
         rep = f" x dp_replicate={replicate}" if replicate != 1 else ""
+        tps = f" x tp={tp}" if tp != 1 else ""
         raise ValueError(
-            f"expert parallelism: ep={ep}{rep} does not divide the world size {world}; the mesh "
-            f"is ({'dp_replicate, ' if rep else ''}dp_shard_mod_ep, ep): launch a multiple of "
-            f"{ep * max(replicate, 1)} processes"
+            f"expert parallelism: ep={ep}{rep}{tps} does not divide the world size {world}; the "
+            f"mesh is ({'dp_replicate, ' if rep else ''}dp_shard_mod_ep, ep{', tp' if tps else ''})"
+            f": launch a multiple of {ep * max(replicate, 1) * max(tp, 1)} processes"
         )
-    shape, names = (ep_complement(world // replicate, ep), ep), ("dp_shard_mod_ep", "ep")
-    if replicate == 1:
+    shard = world // (replicate * tp)
+    shape, names = (ep_complement(shard, ep), ep), ("dp_shard_mod_ep", "ep")
+    if replicate == 1 and tp == 1:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         return mesh, mesh._flatten("dp_shard")
-    # the HSDP mesh first, then dp_shard unflattened: slicing (dp_replicate, dp_shard) out of a
-    # 3-D mesh after flattening would be the slice of a flattened dim torch deprecates
-    dp = init_device_mesh(
-        device_type, (replicate, world // replicate), mesh_dim_names=("dp_replicate", "dp_shard")
+    # the data-parallel mesh first, then dp_shard unflattened: slicing dp_shard out of a mesh
+    # after flattening would be the slice of a flattened dim torch deprecates
+    dims = [("dp_replicate", replicate)] if replicate > 1 else []
+    dims += [("dp_shard", shard)] + ([("tp", tp)] if tp > 1 else [])
+    base = init_device_mesh(
+        device_type, tuple(n for _, n in dims), mesh_dim_names=tuple(d for d, _ in dims)
     )
-    return dp._unflatten("dp_shard", shape, names), dp
+    dp = base["dp_replicate", "dp_shard"] if replicate > 1 else base["dp_shard"]
+    return base._unflatten("dp_shard", shape, names), dp
 
 
 def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -101,36 +109,60 @@ def expert_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
 
 def distribute_experts(module: nn.Module, ep_mesh: DeviceMesh) -> int:
     """Make the fused experts of every MoE block in ``module`` ``Shard(0)`` DTensors over the
-    1-D ``ep_mesh`` (each EP rank keeps its ``E / ep`` experts of the tensor it has, no
-    communication: the weights must already be the same on every rank, as the recipe's seeded
-    initialisation makes them, or on the meta device). Returns the number of blocks."""
-    if ep_mesh.ndim != 1:
-        raise ValueError(f"distribute_experts: expected the 1-D 'ep' mesh, got {ep_mesh}")
-    ep, index = ep_mesh.size(), ep_mesh.get_local_rank()
+    ``ep`` dim of ``ep_mesh`` (each EP rank keeps its ``E / ep`` experts of the tensor it has,
+    no communication: the weights must already be the same on every rank, as the recipe's
+    seeded initialisation makes them, or on the meta device). ``ep_mesh`` is the 1-D ``ep``
+    mesh, or ``mesh["ep", "tp"]`` for EP x TP, where the experts are already the TP plan's
+    ``Shard(d)`` DTensors on ``tp`` (``apply_tp_to_moe``: ``d_ff`` split) and become
+    ``(Shard(0), Shard(d))`` DTensors on both dims. Returns the number of blocks."""
+    names = ep_mesh.mesh_dim_names or ()
+    if (ep_mesh.ndim == 2 and names != ("ep", "tp")) or ep_mesh.ndim > 2:
+        raise ValueError(
+            f"distribute_experts: expected the 1-D 'ep' mesh or mesh['ep', 'tp'], got {ep_mesh}"
+        )
+    ep_dim = ep_mesh["ep"] if ep_mesh.ndim == 2 else ep_mesh
+    ep, index = ep_dim.size(), ep_dim.get_local_rank()
     blocks = {n: m for n, m in module.named_modules() if _is_moe(m)}
     for block, moe in blocks.items():  # every check before anything changes
         check_ep(moe.n_experts, ep)
         for name in EXPERT_PARAMS:
-            p = getattr(moe.experts, name)
-            where = f"{block}.experts.{name}".lstrip(".")
-            if isinstance(p, DTensor):
-                raise ValueError(f"{where} is already a DTensor ({p.placements}): distribute once")
-            if p.dim() != 3 or p.shape[0] != moe.n_experts:
-                raise ValueError(
-                    f"{where} has shape {tuple(p.shape)}, not a fused ({moe.n_experts}, m, n) "
-                    "expert tensor: expert parallelism splits the experts' dim 0"
-                )
+            _check_expert_param(getattr(moe.experts, name), f"{block}.experts.{name}", moe, ep_mesh)
     for moe in blocks.values():
         experts = moe.experts
+        held = expert_range(moe.n_experts, ep, index)
         for name in EXPERT_PARAMS:
             p = getattr(experts, name)
-            held = expert_range(moe.n_experts, ep, index)
-            local = p.detach()[held.start : held.stop].clone()
-            d = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            tp_placements = tuple(p.placements) if isinstance(p, DTensor) else ()
+            whole = p.to_local() if isinstance(p, DTensor) else p
+            local = whole.detach()[held.start : held.stop].clone()
+            placements = (Shard(0), *tp_placements)
+            d = DTensor.from_local(local, ep_mesh, placements, run_check=False)
             setattr(experts, name, nn.Parameter(d, requires_grad=p.requires_grad))
-        experts.ep_mesh = ep_mesh
+        experts.ep_mesh = ep_dim
         experts.all_to_all_sent = 0  # bytes, read by take_all_to_all_bytes
     return len(blocks)
+
+
+def _check_expert_param(p: torch.Tensor, where: str, moe: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Refuse what ``distribute_experts`` cannot split: a tensor that is not fused ``(E, m,
+    n)``, a DTensor on the 1-D path (distributed twice), and under EP x TP one that is not the
+    TP plan's ``Shard(1|2)`` on ``tp``."""
+    where = where.lstrip(".")
+    if ep_mesh.ndim == 1 and isinstance(p, DTensor):
+        raise ValueError(f"{where} is already a DTensor ({p.placements}): distribute once")
+    if ep_mesh.ndim == 2:
+        tp_ok = isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("tp",)
+        if not tp_ok or not (isinstance(p.placements[0], Shard) and p.placements[0].dim > 0):
+            placed = f"{p.placements} on {p.device_mesh}" if isinstance(p, DTensor) else "plain"
+            raise ValueError(
+                f"{where} is {placed}: EP x TP takes the experts as the TP plan leaves them "
+                "(apply_tp_to_block on mesh['tp'] first: Shard(1) or Shard(2) on 'tp')"
+            )
+    if p.dim() != 3 or p.shape[0] != moe.n_experts:
+        raise ValueError(
+            f"{where} has shape {tuple(p.shape)}, not a fused ({moe.n_experts}, m, n) "
+            "expert tensor: expert parallelism splits the experts' dim 0"
+        )
 
 
 def shard_ep_block(block: nn.Module, mesh: DeviceMesh, dp_mesh: DeviceMesh, **kwargs) -> None:

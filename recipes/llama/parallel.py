@@ -185,12 +185,14 @@ def make_env(
     dp_shard, tp)`` mesh, ``tp`` last so that a TP group is neighbouring ranks; with ``ep``
     above 1 ``expert_parallel.ep_meshes``' ``(dp_shard_mod_ep, ep)`` mesh, the dense weights
     and the batch over both dims flattened (every rank), ``(dp_replicate, dp_shard_mod_ep,
-    ep)`` with HSDP."""
+    ep)`` with HSDP; with ``tp`` as well (EP x TP) a ``tp`` dim last, the dense weights' TP
+    mesh, the experts on ``("ep", "tp")``."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if ep > 1:
-        check_ep_world(ep, world_size, replicate=replicate)
-        mesh, dp = ep_meshes(ep, device.type, world_size, replicate)
-        return Env(rank, world_size, local_rank, device, dp, ep_mesh=mesh)
+        check_ep_world(ep, world_size, replicate=replicate, tp=tp)
+        mesh, dp = ep_meshes(ep, device.type, world_size, replicate, tp)
+        tp_mesh = mesh["tp"] if tp > 1 else None
+        return Env(rank, world_size, local_rank, device, dp, tp_mesh, ep_mesh=mesh)
     if world_size % replicate:
         raise ConfigError(
             f"dp_replicate={replicate} must divide the number of processes ({world_size})"
@@ -243,14 +245,20 @@ def check_world(tp: int, replicate: int, world_size: int) -> None:
 
 
 def check_ep_world(
-    ep: int, world_size: int, n_experts: int | None = None, replicate: int = 1
+    ep: int, world_size: int, n_experts: int | None = None, replicate: int = 1, tp: int = 1
 ) -> None:
     """Refuse an ``--ep`` that does not divide the processes (the mesh is ``(processes / ep,
-    ep)``, ``(dp_replicate, processes / (dp_replicate * ep), ep)`` with HSDP), before the
-    process group is touched; the fix lists the degrees that divide the processes (and
-    ``n_experts``, when given)."""
-    if ep == 1 or world_size % (ep * replicate) == 0:
+    ep)``, ``(dp_replicate, processes / (dp_replicate * ep), ep)`` with HSDP, a ``tp`` dim
+    last with ``--tp``), before the process group is touched; the fix lists the degrees that
+    divide the processes (and ``n_experts``, when given)."""
+    if ep == 1 or world_size % (ep * replicate * tp) == 0:
         return
+    if tp > 1 and world_size % tp == 0:
+        raise ConfigError(
+            f"--ep {ep} x --tp {tp} does not divide the {world_size} processes (the mesh is "
+            f"(dp_shard_mod_ep, ep, tp)): launch a multiple of {ep * replicate * tp} "
+            "processes, or lower --ep or --tp"
+        )
     if replicate > 1 and world_size % ep == 0:
         raise ConfigError(
             f"--ep {ep} x --dp-replicate {replicate} does not divide the {world_size} processes "
@@ -302,7 +310,7 @@ def distributed(cfg: Config, agreed: tuple[type[BaseException], ...] = ()) -> It
     check_world(cfg.tp, cfg.dp_replicate, world)
     check_pp_world(cfg.pp, cfg.dp_replicate, world)
     if isinstance(cfg.model, MoEConfig):
-        check_ep_world(cfg.ep, world, cfg.model.n_experts, cfg.dp_replicate)
+        check_ep_world(cfg.ep, world, cfg.model.n_experts, cfg.dp_replicate, cfg.tp)
     if created:
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ:  # torchrun
@@ -412,8 +420,8 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
         if env.tp_mesh is not None:  # whole weights in, this rank's TP blocks out
             apply_tp_to_block(block, env.tp_mesh)
         moe_ep = env.ep_mesh is not None and any(_is_moe(m) for m in block.modules())
-        if moe_ep:  # whole experts in, this rank's E / ep experts out
-            distribute_experts(block, env.ep_mesh["ep"])
+        if moe_ep:  # whole experts in, this rank's E / ep experts out (EP x TP: on ep, tp)
+            distribute_experts(block, env.ep_mesh["ep", "tp"] if env.tp_mesh else env.ep_mesh["ep"])
         if cfg.compile:  # blocks of one shape share one graph; FSDP's hooks stay outside it
             block.compile()
         if moe_ep:

@@ -15,8 +15,9 @@ feed-forward gathers the sequence-parallel tokens over TP, routes them with a re
 (every TP rank routes identically), runs every expert on a ``1/N`` slice of its ``d_ff``
 (``w1``/``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``) and the shared expert as the dense SwiGLU,
 and reduce-scatters the summed partial outputs back along the sequence. With ``--ep`` as well
-(EP x TP) the experts would be DTensors on two mesh dims, which raggedfsdp's TP path does not
-take yet: ``config.check_ep`` refuses it.
+(EP x TP) ``expert_parallel.distribute_experts`` then keeps this EP rank's experts of each TP
+block, DTensors on ``mesh["ep", "tp"]``, and the routed rows travel to them by the EP
+all-to-all between the gather and the reduce-scatter (``MoEFeedForward.routed``).
 
 Every dim the plan splits must divide by N: ``config.check_tp`` says which do not and which
 degrees would work while the command line is parsed, ``parallel.check_world`` that N divides

@@ -391,9 +391,9 @@ def _blocked_refusals() -> dict[str, str]:
     named = list(model.named_parameters())
     before = {n: p.full_tensor() for n, p in named}
     messages = {}
-    for name, cls in BLOCKED.items():  # wq's TP block has 4 rows: 8-row blocks do not fit
+    for name, cls in BLOCKED.items():  # merged dims would run across the TP split
         try:
-            cls(named, lr=LR, max_preconditioner_dim=8)
+            cls(named, lr=LR, max_preconditioner_dim=8, merge_dims=True)
         except ValueError as error:
             messages[name] = str(error)
     opt = _WholeTensorSign(named, {"lr": LR})
@@ -415,9 +415,8 @@ def test_blocked_optimizers_refuse_what_tp_cannot_keep_whole(dist_pool):
     for messages in dist_pool(4).run(_blocked_refusals):
         assert messages.keys() == {"Shampoo", "SOAP", "subclass", "normalize_grads"}
         for name in BLOCKED:
-            assert "'layers.0.attention.wq.weight'" in messages[name]
-            assert "does not hold whole blocks" in messages[name]
-            assert "max_preconditioner_dim" in messages[name]
+            assert "'tok_embeddings.weight'" in messages[name]
+            assert "merge_dims=True" in messages[name] and "merge_dims=False" in messages[name]
         assert "'tok_embeddings.weight'" in messages["subclass"]
         assert "handles_tensor_parallel" in messages["subclass"]
         assert "normalize_grads=False" in messages["normalize_grads"]

@@ -1,7 +1,10 @@
 """``--tp`` for the MoE model (recipes/llama/tensor_parallel.py ``apply_tp_to_moe``): a MoE
 block with the TP plan at tp 2 against the same block in one process (outputs, input and
 parameter gradients, the load counts), the recipe at (dp 2 x tp 2) against its tp 1 run with
-AdamW, a checkpoint saved at tp 2 resuming at tp 1, and EP x TP refused in one line."""
+AdamW, a checkpoint saved at tp 2 resuming at tp 1; EP x TP: the block at (ep 2 x tp 2) with
+an EP rank whose experts get no token against one process, and the recipe at ``--ep 2 --tp 2``
+against one process (every optimizer trains or refuses in one line, a checkpoint resumes in
+one process, FSDP2 and activation checkpointing)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from recipes.llama.config import ConfigError, parse_args
+from recipes.llama.config import parse_args
+from recipes.llama.expert_parallel import distribute_experts, ep_meshes
 from recipes.llama.model import rope_table
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import MoEBlock
+from recipes.llama.parallel import distributed
 from recipes.llama.tensor_parallel import apply_tp_to_block
-from tests.support.recipe_runs import args, run_train
+from recipes.llama.train import train
+from tests.support.recipe_runs import args, run_main, run_train
 
 TP = 2
 BATCH, SEQ, DIM = 3, 8, 32
@@ -93,6 +99,61 @@ def test_a_moe_block_at_tp2_matches_one_process(dist_pool, n_shared_experts):
             assert diff <= TP_TOLERANCE * max(1.0, expected.abs().max().item()), (key, diff)
 
 
+# ----------------------------------------------------------------------------- EP x TP block
+EP, DP_BATCH = 2, 2  # (dp_shard_mod_ep 1 x ep 2 x tp 2) at W=4: two dp ranks of 2 sequences
+
+
+def _starved_block(n_shared_experts: int) -> MoEBlock:
+    """The block with the experts of EP rank 1 (3, 4, 5 of 6) never chosen."""
+    block = _block(n_shared_experts)
+    with torch.no_grad():
+        block.feed_forward.expert_bias[3:] = -1e4
+    return block
+
+
+def _ep_tp_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(9)
+    shape = (EP * DP_BATCH, SEQ, DIM)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _block_on_ep_tp(n_shared_experts: int) -> dict:
+    """Rank (e, t) runs dp rank e's sequences, sequence half t; the experts' gradients are
+    each rank's slice of the whole batch's (the all-to-all brings every dp rank's rows), the
+    dense ones summed over the dp ranks here (fully_shard's reduction)."""
+    mesh, _ = ep_meshes(EP, tp=TP)
+    block = _starved_block(n_shared_experts)
+    apply_tp_to_block(block, mesh["tp"])
+    distribute_experts(block, mesh["ep", "tp"])
+    e, t = mesh["ep"].get_local_rank(), mesh["tp"].get_local_rank()
+    x, target = (v.chunk(EP)[e].chunk(TP, 1)[t] for v in _ep_tp_inputs())
+    got = _run_block(block, x, target)
+    ep_group = mesh["ep"].get_group()
+    for name in list(got):
+        if name not in ("out", "x", "load") and ".experts." not in name:
+            dist.all_reduce(got[name], group=ep_group)
+    dist.all_reduce(got["load"])  # TP rank 0 of each dp rank counts its tokens
+    return got
+
+
+@pytest.mark.parametrize("n_shared_experts", [0, 1], ids=["routed", "shared"])
+def test_a_moe_block_at_ep2_tp2_matches_one_process(dist_pool, n_shared_experts):
+    """Outputs, input and parameter gradients within 1e-5, load counts equal, while EP rank
+    1's experts receive no token (their gradients zero, as in one process)."""
+    want = _run_block(_starved_block(n_shared_experts), *_ep_tp_inputs())
+    assert want["load"][3:].sum() == 0 and want["load"][:3].sum() > 0
+    for rank, got in enumerate(dist_pool(4).run(_block_on_ep_tp, n_shared_experts)):
+        e, t = divmod(rank, TP)
+        assert torch.equal(got["load"], want["load"]), (got["load"], want["load"])
+        for key, expected in want.items():
+            if key == "load":
+                continue
+            if key in ("out", "x"):  # this rank's sequences, its half of each
+                expected = expected.chunk(EP)[e].chunk(TP, 1)[t]
+            diff = (got[key] - expected).abs().max().item()
+            assert diff <= TP_TOLERANCE * max(1.0, expected.abs().max().item()), (key, diff)
+
+
 # ----------------------------------------------------------------------------- the recipe
 def _moe_args(data_dir: str, run_dir, *extra: str) -> list[str]:
     return args(data_dir, run_dir, "--config", "moe_tiny", "--steps", "4", *extra)
@@ -134,11 +195,81 @@ def test_moe_tiny_at_dp2_tp2_trains_as_tp1_and_resumes_at_tp1(dist_pool, data_di
         assert abs(loss - losses[step]) < TP_TOLERANCE, (step, loss, losses[step])
 
 
-def test_ep_with_tp_is_refused_while_parsing(data_dir, tmp_path):
-    with pytest.raises(ConfigError) as err:
-        parse_args(args(data_dir, tmp_path, "--config", "moe_tiny", "--ep", "2", "--tp", "2"))
-    assert str(err.value) == (
-        "--ep 2 with --tp 2: EP x TP is not supported yet (the experts would be DTensors on two "
-        "mesh dims, which fully_shard does not take); use --tp 1, or --ep 1 (--tp alone splits "
-        "every expert's d_ff)"
-    )
+# ----------------------------------------------------------------------------- EP x TP
+def _train_losses(argv: list[str]) -> dict:
+    """Losses, gradient norms and the banner's mesh of one run on this rank."""
+    cfg = parse_args(argv)
+    norms: dict[int, float] = {}
+    with distributed(cfg) as env:
+        result = train(cfg, env, on_step=lambda step, m: norms.update({step: m["grad_norm"]}))
+        return {"losses": result.losses, "norms": norms, "mesh": env.mesh_shape()}
+
+
+def test_moe_tiny_at_ep2_tp2_trains_as_one_process_and_resumes_there(dist_pool, data_dir, tmp_path):
+    """moe_tiny with AdamW at (ep 2 x tp 2), W=4: the experts DTensors on (ep, tp), the dense
+    weights TP over tp and sharded over dp_shard (2 ranks): 10 steps within 1e-5 of one
+    process, losses and gradient norms (clip_grad_norm_ over every dim); its step-8 checkpoint
+    (model and optimizer state in global coordinates) resumed in one process (ep 1, tp 1)
+    goes on as the EP x TP run did."""
+    extra = ["--steps", "10", "--eval-every", "0"]
+    plain = dist_pool(1).run(
+        _train_losses, _moe_args(data_dir, tmp_path / "one", *extra, "--checkpoint-every", "0")
+    )[0]
+    argv = _moe_args(data_dir, tmp_path / "eptp", "--ep", "2", "--tp", "2", *extra)
+    ours = dist_pool(4).run(_train_losses, [*argv, "--checkpoint-every", "8"], timeout=240)
+    assert ours[0]["mesh"] == {"dp_shard_mod_ep": 1, "ep": 2, "tp": 2}
+    losses = ours[0]["losses"]
+    assert all(r["losses"] == losses for r in ours)
+    assert list(losses) == list(range(1, 11)) and losses[10] < losses[1] - 0.3, losses
+    for step, loss in losses.items():
+        assert abs(loss - plain["losses"][step]) < TP_TOLERANCE, (step, loss, plain["losses"])
+        norm, ref_norm = ours[0]["norms"][step], plain["norms"][step]
+        assert abs(norm - ref_norm) < TP_TOLERANCE * max(1.0, ref_norm), (step, norm, ref_norm)
+    saved = tmp_path / "step8"
+    shutil.copytree(tmp_path / "eptp" / "checkpoints" / "step_00000008", saved)
+    resume = [*extra, "--checkpoint-every", "0", "--resume", str(saved)]
+    resumed = dist_pool(1).run(_train_losses, _moe_args(data_dir, tmp_path / "back", *resume))[0]
+    assert list(resumed["losses"]) == [9, 10]
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - losses[step]) < TP_TOLERANCE, (step, loss, losses[step])
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: two 4-step runs at W=4 and one at W=1
+def test_fsdp2_and_activation_checkpointing_at_ep2_tp2_train_as_one_process(
+    dist_pool, data_dir, tmp_path
+):
+    """``--fsdp fsdp2`` (torch's fully_shard on the (ep, tp) experts over dp_shard_mod_ep,
+    torchtitan's) and raggedfsdp with ``--activation-checkpointing`` (the recompute runs the
+    all-to-alls again) at ``--ep 2 --tp 2``: 4 steps within 1e-5 of one process."""
+    extra = ["--steps", "4", "--checkpoint-every", "0", "--eval-every", "0"]
+    plain = dist_pool(1).run(_train_losses, _moe_args(data_dir, tmp_path / "one", *extra))[0]
+    for name, options in {
+        "fsdp2": ["--fsdp", "fsdp2"],
+        "ac": ["--activation-checkpointing"],
+    }.items():
+        argv = _moe_args(data_dir, tmp_path / name, "--ep", "2", "--tp", "2", *options, *extra)
+        ours = dist_pool(4).run(_train_losses, argv, timeout=240)[0]
+        for step, loss in ours["losses"].items():
+            assert abs(loss - plain["losses"][step]) < TP_TOLERANCE, (name, step, loss)
+            norm, ref_norm = ours["norms"][step], plain["norms"][step]
+            assert abs(norm - ref_norm) < TP_TOLERANCE * max(1.0, ref_norm), (name, step, norm)
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adamw8bit", "shampoo", "soap"])
+def test_every_optimizer_trains_or_refuses_at_ep2_tp2(dist_pool, data_dir, tmp_path, optimizer):
+    """Muon trains (each expert assembled from its EP rank's TP blocks); the optimizers that
+    lay blocks along one split refuse, while they are built, the experts on (ep, tp) (or a
+    dense TP weight before them whose split cuts their blocks): one line from rank 0 naming
+    the fix."""
+    extra = ["--ep", "2", "--tp", "2", "--optimizer", optimizer, "--steps", "2"]
+    extra += ["--checkpoint-every", "0", "--eval-every", "0", "--preconditioner-dim", "8"]
+    results = dist_pool(4).run(run_main, _moe_args(data_dir, tmp_path / optimizer, *extra))
+    if optimizer == "muon":
+        assert [r[0] for r in results] == [0] * 4, results
+        return
+    err = results[0][2]
+    assert [r[0] for r in results] == [2] * 4 and results[1][1:] == ("", ""), results
+    assert err.startswith(f"error: --optimizer {optimizer}: parameter ") and err.count("\n") == 1
+    # the first parameter refused: a dense TP one whose split cuts 8-bit blocks, or experts
+    assert " split over the 'tp' mesh dim " in err or "'ep' x 'tp' mesh dims" in err, err
+    assert "AdamW" in err, err  # the fix: give it to AdamW (or Muon), or change the split
