@@ -212,13 +212,19 @@ def foreach_as_real() -> Iterator[None]:
 
 def real_constant_tables() -> None:
     """Build, with real tensors, the constant tables a runtime caches once per process and
-    device: AdamW8bit's code maps (``QuantMap.get``, 0.55 MiB per device). Built inside a dry
-    run they would be that run's fake tensors left in the cache, so a later dry run in the
+    device: AdamW8bit's code maps (``QuantMap.get``, 0.55 MiB per device) and the FP8 gathers'
+    decode tables (e4m3 and e8m0, 1 KiB each, built by decoding one MX block). Built inside a dry
+    run they would be that run's fake tensors left in the cache, so a later dry run (or real
+    code: the FP8 tests after an FP8 dry run) in the
     same process would use them uncounted (its figures would depend on what ran before), and
     their bisection on fake tensors takes most of a small dry run. Built here, before any
     tally starts, no dry run counts them; a real job builds them once per process, outside
     the per-rank memory the planner models (docs/dry_run.md)."""
+    from raggedfsdp.fsdp import float8, mxfp8
     from raggedfsdp.optim.quant import QuantMap
 
+    cpu = torch.device("cpu")
     for signed in (True, False):
-        QuantMap.get(signed, torch.device("cpu"))
+        QuantMap.get(signed, cpu)
+    codes = torch.zeros(mxfp8.MX_BLOCK, dtype=float8.FP8_DTYPE)  # one block decodes each table
+    mxfp8.dequantize_mx(codes, torch.zeros(1, dtype=torch.uint8), torch.float32)
