@@ -7,7 +7,10 @@
 * Communication: ``CollectiveBytes`` counts the all-gathers and reduce-scatters of one or more
   steps exactly, at the calls both runtimes make (our flat-buffer collectives; the
   ``torch.distributed`` calls FSDP2 makes), whatever the backend turns them into underneath.
-* ``spawn_ranks``: one process per rank on 127.0.0.1 (gloo), rank 0's result back.
+* ``spawn_ranks``: one process per rank on 127.0.0.1 (gloo), rank 0's result back;
+  ``start_ranks`` and ``rank_context`` for scripts that collect results their own way. Ranks
+  are forked from a forkserver that imported torch, the library and the recipe once (clean
+  processes like spawn's, without each rank paying those imports again).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ __all__ = [
     "init_gloo",
     "peak_above_now",
     "peak_allocated",
+    "rank_context",
     "reset_peak",
     "spawn_ranks",
+    "start_ranks",
     "status_kib",
 ]
 
@@ -44,6 +49,10 @@ MALLOC_ENV = {
     "MALLOC_ARENA_MAX": "1",
     "MALLOC_TRIM_THRESHOLD_": "65536",
 }
+
+
+#: imported once by the ranks' forkserver, inherited by every rank it forks (missing: skipped)
+PRELOAD = ["torch.distributed", "raggedfsdp.fsdp", "raggedfsdp.optim", "recipes.llama.train"]
 
 
 def status_kib(field: str) -> int:
@@ -154,16 +163,27 @@ def init_gloo(rank: int, world: int, port: int, threads: int | None = None) -> N
     join_local_group(rank, world, port)
 
 
-def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: int) -> Any:
-    """Run ``worker(rank, world, port, args, queue)`` in ``world`` processes started with
-    ``MALLOC_ENV`` (glibc reads it at start-up) and return what rank 0 puts on the queue."""
+def rank_context() -> mp.context.BaseContext:
+    """The context ranks start in: a forkserver (started with ``MALLOC_ENV``, which glibc reads
+    at start-up and forked ranks inherit) that preloads ``PRELOAD``."""
     os.environ.update(MALLOC_ENV)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def start_ranks(worker: Callable[..., None], args: tuple, nprocs: int) -> None:
+    """Run ``worker(rank, *args)`` in ``nprocs`` processes of ``rank_context`` and wait."""
+    rank_context()
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="forkserver")
+
+
+def spawn_ranks(worker: Callable[..., None], args: argparse.Namespace, world: int) -> Any:
+    """Run ``worker(rank, world, port, args, queue)`` in ``world`` processes (``start_ranks``)
+    and return what rank 0 puts on the queue."""
+    out = rank_context().Queue()
     with serving_store() as port:
-        mp.start_processes(
-            worker, args=(world, port, args, out), nprocs=world, start_method="spawn"
-        )
+        start_ranks(worker, (world, port, args, out), world)
     return out.get()
 
 

@@ -17,11 +17,9 @@ analysis in BENCHMARKS.md reads these tables: which phase peaks, and what is ali
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from fsdp_vs_fsdp2 import (
     PhaseRecorder,
@@ -30,7 +28,7 @@ from fsdp_vs_fsdp2 import (
     build_floor,
     gathered_bytes,
 )
-from measure import MALLOC_ENV, init_gloo
+from measure import init_gloo, start_ranks
 
 from raggedfsdp.comm.launch import serving_store
 
@@ -79,14 +77,8 @@ def main() -> None:
     parser.add_argument("system", choices=("ours", "fsdp2", "floor"))
     add_model_arguments(parser)
     args = parser.parse_args()
-    os.environ.update(MALLOC_ENV)  # read by glibc when each rank starts
     with serving_store() as port:
-        mp.start_processes(
-            _worker,
-            args=(args.world_size, port, args),
-            nprocs=args.world_size,
-            start_method="spawn",
-        )
+        start_ranks(_worker, (args.world_size, port, args), args.world_size)
 
 
 if __name__ == "__main__":

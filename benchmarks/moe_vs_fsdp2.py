@@ -45,11 +45,21 @@ same batches. Reported per system and as ratios ours / FSDP2 (lower is better):
   ``shard_ep_block_fsdp2`` (torch's ``fully_shard``, torchtitan's wrapping); the dense blocks
   and the root over every rank on both. ``all_to_all``: calls and bytes this rank sends
   (``dist.all_to_all_single`` inputs, the count exchanges included).
+* with ``--ep N --tp M`` (EP x TP, torchtitan's ``(dp_shard_mod_ep, ep, tp)`` mesh): every
+  block gets the recipe's TP plan on ``tp`` first (``tensor_parallel.apply_tp_to_block``,
+  the root ``apply_tp_to_root``), the experts then become DTensors on ``mesh["ep", "tp"]``
+  (each EP rank's experts, their ``d_ff`` split over ``tp``), and both FSDPs shard the TP
+  ranks' local tensors as with ``--ep`` alone. The ranks of a TP group train on the same
+  batch (one per data-parallel rank). TP's own collectives (the MoE layers' sequence gather
+  and reduce-scatter over ``tp``, DTensor's redistributions) are the same code on both sides
+  and are not counted, nor are ours over a one-rank group (at W=4, ``dp_shard_mod_ep``: a
+  copy; FSDP2 makes no call there): ``all_gather`` / ``reduce_scatter`` stay FSDP's traffic.
 
     python benchmarks/moe_vs_fsdp2.py [--world-size 4] [--experts 6] [--mixed-precision]
         [--optimizer {adamw,muon}] [--steps 8] [--dim 256] [--layers 4] [--moe-hidden 256]
         [--shared-experts 1] [--dense-layers 1] [--vocab 4096] [--batch 2] [--seq 64]
     python benchmarks/moe_vs_fsdp2.py --ep 2 [--world-size 4 --experts 6] [--optimizer muon]
+    python benchmarks/moe_vs_fsdp2.py --ep 2 --tp 2 [--mixed-precision]
     python benchmarks/moe_vs_fsdp2.py --part capacity --world-size 4 --batch 1 --seq 8 [--ep 2]
 """
 
@@ -135,7 +145,7 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
         kwargs["shard_policy"] = Muon.shard_policy()
     model = make_model(args)
     if args.ep > 1:
-        wrap_ep(system, model, args.ep, fully_shard, kwargs)
+        wrap_ep(system, model, args.ep, fully_shard, kwargs, args.tp)
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in model.layers:
@@ -144,25 +154,34 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
     return model, optimizer(system, model, args)
 
 
-def wrap_ep(system: str, model: nn.Module, ep: int, fully_shard, kwargs: dict[str, Any]) -> None:
-    """``model`` under expert parallelism, as the recipe wraps it: the experts ``Shard(0)`` over
-    ``ep``, each MoE block by ``shard_ep_block`` (ours) or ``shard_ep_block_fsdp2`` (FSDP2 x EP,
-    torchtitan's), the dense blocks and the root over every rank."""
+def wrap_ep(
+    system: str, model: nn.Module, ep: int, fully_shard, kwargs: dict[str, Any], tp: int = 1
+) -> None:
+    """``model`` under expert parallelism, as the recipe wraps it (``parallel.build_model``'s
+    order): with ``tp`` above 1 each block's TP plan first; the experts ``Shard(0)`` over
+    ``ep`` (EP x TP: on ``("ep", "tp")``), each MoE block by ``shard_ep_block`` (ours) or
+    ``shard_ep_block_fsdp2`` (FSDP2 x EP, torchtitan's), the dense blocks over every rank of
+    ``dp_shard``; then the root's TP plan and the root."""
     from recipes.llama.expert_parallel import (
         distribute_experts,
         ep_meshes,
         shard_ep_block,
         shard_ep_block_fsdp2,
     )
+    from recipes.llama.tensor_parallel import apply_tp_to_block, apply_tp_to_root
 
-    mesh, dp = ep_meshes(ep)
-    distribute_experts(model, mesh["ep"])
+    mesh, dp = ep_meshes(ep, tp=tp)
     shard_block = shard_ep_block if system == "ours" else shard_ep_block_fsdp2
     for layer in model.layers:
+        if tp > 1:
+            apply_tp_to_block(layer, mesh["tp"])
         if isinstance(layer, MoEBlock):
+            distribute_experts(layer, mesh["ep", "tp"] if tp > 1 else mesh["ep"])
             shard_block(layer, mesh, dp, **kwargs)
         else:
             fully_shard(layer, mesh=dp, **kwargs)
+    if tp > 1:
+        apply_tp_to_root(model, mesh["tp"])
     fully_shard(model, mesh=dp, **kwargs)
 
 
@@ -209,7 +228,8 @@ def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 
 
 def rank_tokens(args: argparse.Namespace, rank: int) -> torch.Tensor:
-    """The batch rank ``rank`` trains on at every step (its own seed)."""
+    """The batch data-parallel rank ``rank`` trains on at every step (its own seed); under TP
+    every rank of a TP group (neighbouring ranks: ``rank // tp``) has the same."""
     gen = torch.Generator().manual_seed(rank)
     return torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
 
@@ -221,7 +241,8 @@ def one_process_loss(args: argparse.Namespace) -> float:
     they land from it, so a gap between them can be told apart from both drifting."""
     model = make_model(args)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    step = _round(args, torch.cat([rank_tokens(args, r) for r in range(args.world_size)]))
+    dp = args.world_size // args.tp
+    step = _round(args, torch.cat([rank_tokens(args, r) for r in range(dp)]))
     for _ in range(2 + args.steps):
         step(model, opt)
     tokens = rank_tokens(args, 0)
@@ -290,7 +311,7 @@ def _warm_up(args: argparse.Namespace, step) -> None:
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     init_gloo(rank, world, port)
-    tokens = rank_tokens(args, rank)
+    tokens = rank_tokens(args, rank // args.tp)
     step = _round(args, tokens)
     _warm_up(args, step)
     systems = _build(args, step)
@@ -323,7 +344,13 @@ def _last_step(system: dict[str, Any], step) -> dict[str, Any]:
     model, opt = system["model"], system["opt"]
     counter = CollectiveBytes()
     ep_groups = [m.ep_mesh.get_group() for m in model.modules() if hasattr(m, "ep_mesh")]
-    with counter.counting(), counting_all_to_all(counter, ep_groups):
+    tp_groups = [m.tp_mesh.get_group() for m in model.modules() if getattr(m, "tp_mesh", None)]
+    uncounted = {(owner, name): getattr(owner, name) for owner, name in _uncounted_calls()}
+    with (
+        counter.counting(),
+        counting_all_to_all(counter, ep_groups),
+        passing_uncounted(tp_groups, uncounted),
+    ):
         entry["loss"] = step(model, opt)[0]
     entry["calls"] = dict(counter.calls)
     entry["bytes"] = {k: v / 2**20 for k, v in counter.bytes.items()}
@@ -332,6 +359,44 @@ def _last_step(system: dict[str, Any], step) -> dict[str, Any]:
         entry["optimizer_bytes"] = stats["bytes_sent"] + stats["bytes_received"]
         entry["muon_cut"] = muon_cut(model, opt)
     return entry
+
+
+def _uncounted_calls() -> list[tuple[Any, str]]:
+    """What ``CollectiveBytes`` counts that moves no FSDP bytes here: the MoE layers' TP
+    collectives over ``tp`` (``tensor_parallel.moe_tp_forward``'s sequence gather and
+    reduce-scatter) and our all-gathers and reduce-scatters over a one-rank group (EP x TP at
+    W=4 leaves ``dp_shard_mod_ep`` one rank: ours then copies, FSDP2 makes no call)."""
+    from raggedfsdp.fsdp import param_group
+
+    ours = [(param_group, "all_gather_flat"), (param_group, "reduce_scatter_flat")]
+    return [(dist, "all_gather_single"), (dist, "reduce_scatter_single"), *ours]
+
+
+@contextmanager
+def passing_uncounted(
+    tp_groups: list[Any], uncounted: dict[tuple[Any, str], Any]
+) -> Iterator[None]:
+    """Route the ``_uncounted_calls`` over one of the TP ``tp_groups`` or a one-rank group to
+    ``uncounted`` (the functions as they were before ``CollectiveBytes.counting``), so that
+    the all-gather and reduce-scatter figures are FSDP's communication alone; every other
+    call goes on to the counter."""
+    counted = {(owner, name): getattr(owner, name) for owner, name in _uncounted_calls()}
+
+    def route(key: tuple[Any, str]) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group", args[2] if len(args) > 2 else None)
+            skip = any(group is g for g in tp_groups) or (group is not None and group.size() == 1)
+            return (uncounted if skip else counted)[key](*args, **kwargs)
+
+        return call
+
+    for owner, name in counted:
+        setattr(owner, name, route((owner, name)))
+    try:
+        yield
+    finally:
+        for (owner, name), fn in counted.items():
+            setattr(owner, name, fn)
 
 
 @contextmanager
@@ -450,6 +515,7 @@ def ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
 def print_table(result: dict[str, Any]) -> None:
     ours, peer, a = result["ours"], result["fsdp2"], result["args"]
     ep = f" x ep {a['ep']}" if a.get("ep", 1) > 1 else ""
+    ep += f" x tp {a['tp']}" if a.get("tp", 1) > 1 else ""
     print(
         f"\nW={a['world_size']}{ep}, E={a['experts']}, {result['params'] / 1e6:.1f}M parameters, "
         f"{'bf16/fp32' if a['mixed_precision'] else 'fp32'}, {a['optimizer']}, "
@@ -511,6 +577,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(FSDP2 x EP on the other side); must divide --world-size and --experts",
     )
     parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="with --ep: EP x TP, the recipe's TP plan on a tp dim last (W = dp_shard_mod_ep x "
+        "ep x tp); must divide the heads, widths, vocabulary and --seq",
+    )
+    parser.add_argument(
         "--part",
         choices=("compare", "capacity"),
         default="compare",
@@ -530,7 +603,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ep_complement(args.world_size, args.ep)
         except ValueError as e:
             parser.error(f"--ep {args.ep}: {e}")
+    if args.tp != 1:
+        check_tp_args(parser, args)
     return args
+
+
+def check_tp_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--tp``'s rules, the recipe's own (``config.check_tp``, ``parallel.check_ep_world``),
+    before any process starts: EP x TP only (``tp_vs_fsdp2.py`` compares dense TP), the
+    comparison only, a degree that splits the model and the world."""
+    from recipes.llama.config import check_tp
+    from recipes.llama.parallel import check_ep_world
+
+    if args.tp < 1:
+        parser.error(f"--tp {args.tp}: give a tensor-parallel degree of 1 or more")
+    if args.ep == 1:
+        parser.error(f"--tp {args.tp} needs --ep: use benchmarks/tp_vs_fsdp2.py for dense TP")
+    if args.part != "compare":
+        parser.error(f"--tp {args.tp} with --part {args.part}: the planner row is EP alone")
+    try:
+        check_tp(config(args), args.seq, args.tp, "param")
+        check_ep_world(args.ep, args.world_size, args.experts, tp=args.tp)
+    except ValueError as e:
+        parser.error(str(e))
 
 
 def main() -> None:

@@ -49,8 +49,7 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from measure import init_gloo
+from measure import init_gloo, rank_context, start_ranks
 from torch.distributed.tensor.debug import CommDebugMode
 
 from raggedfsdp.comm.launch import serving_store
@@ -390,14 +389,11 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
 
 
 def run_worlds(args: argparse.Namespace) -> None:
-    ctx = mp.get_context("spawn")
     results = []
     for world in args.worlds:
-        queue = ctx.Queue()
+        queue = rank_context().Queue()
         with serving_store() as port:
-            mp.start_processes(
-                _worker, args=(world, port, args, queue), nprocs=world, start_method="spawn"
-            )
+            start_ranks(_worker, (world, port, args, queue), world)
         results.append(queue.get())
     print(f"{'W':>2} {'variant':>10} {'median ms':>10} {'MB recv':>9} {'ratio ours/x':>13}")
     summary = {"dim": args.dim, "layers": args.layers, "rounds": args.rounds, "worlds": {}}

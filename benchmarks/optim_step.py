@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -42,8 +41,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from measure import MALLOC_ENV, init_gloo
+from measure import init_gloo, rank_context
 
 from raggedfsdp.comm.launch import serving_store
 from raggedfsdp.optim import AdamW, AdamW8bit
@@ -263,9 +261,7 @@ def _memory_worker(rank: int, world: int, port: int, variant: str, out) -> None:
 
 
 def measure_memory(variant: str, world: int = 2) -> dict[str, float]:
-    for k, v in MALLOC_ENV.items():
-        os.environ[k] = v  # inherited by the spawned ranks (read by glibc at start-up)
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()  # MALLOC_ENV set first: glibc reads it when the ranks' server starts
     out = ctx.Queue()
     with serving_store() as port:
         procs = [

@@ -26,7 +26,7 @@ DistributedShampoo's own step is not measured: it is not on PyPI (installed from
 repository, which this machine cannot reach) and needs Python >= 3.12.
 
     python benchmarks/shampoo_step.py [--blocks 128 1024] [--frequencies 1 100] [--repeats 5]
-        [--worlds 1 2 4]
+        [--worlds 1 2 4] [--layers 4]
 """
 
 from __future__ import annotations
@@ -42,17 +42,25 @@ import torch
 import torch.distributed as dist
 from measure import init_gloo
 
-SHAPES = {
-    f"l{i}.{name}": shape
-    for i in range(4)
-    for name, shape in (
-        ("qkv", (768, 256)),
-        ("o", (256, 256)),
-        ("up", (1024, 256)),
-        ("down", (256, 1024)),
-        ("norm", (256,)),
-    )
-}
+LAYER = (
+    ("qkv", (768, 256)),
+    ("o", (256, 256)),
+    ("up", (1024, 256)),
+    ("down", (256, 1024)),
+    ("norm", (256,)),
+)
+LAYERS = 4  # the figures' model; --layers 1 only smoke-tests the script
+SHAPES: dict[str, tuple[int, ...]] = {}
+
+
+def use_layers(layers: int) -> None:
+    """Set ``SHAPES`` to ``layers`` layers (the figures: 4; fewer only to smoke-test the script
+    quickly). Every rank calls it too, as spawned ranks import this module afresh."""
+    SHAPES.clear()
+    SHAPES.update({f"l{i}.{name}": shape for i in range(layers) for name, shape in LAYER})
+
+
+use_layers(LAYERS)
 EIGH_FLOPS = 9  # × n³ per symmetric eigendecomposition with eigenvectors (nominal)
 
 
@@ -237,9 +245,12 @@ def side_by_side(block: int, repeats: int, freq: int) -> dict:
     }
 
 
-def _world_worker(rank: int, world: int, port: int, blocks: list[int], steps: int, out) -> None:
+def _world_worker(
+    rank: int, world: int, port: int, blocks: list[int], steps: int, layers: int, out
+) -> None:
     from raggedfsdp.optim import Shampoo
 
+    use_layers(layers)
     init_gloo(rank, world, port, threads=1)
     results = {}
     for block in blocks:
@@ -266,23 +277,17 @@ def _world_worker(rank: int, world: int, port: int, blocks: list[int], steps: in
     dist.destroy_process_group()
 
 
-def world_sizes(worlds: list[int], blocks: list[int], steps: int) -> dict:
+def world_sizes(worlds: list[int], blocks: list[int], steps: int, layers: int = LAYERS) -> dict:
     """Part 2: the step at each world size (one process per rank, one thread each)."""
-    import torch.multiprocessing as mp
+    from measure import rank_context, start_ranks
 
     from raggedfsdp.comm.launch import serving_store
 
     rows = {}
-    ctx = mp.get_context("spawn")
     for world in worlds:
-        out = ctx.Queue()
+        out = rank_context().Queue()
         with serving_store() as port:
-            mp.start_processes(
-                _world_worker,
-                args=(world, port, blocks, steps, out),
-                nprocs=world,
-                start_method="spawn",
-            )
+            start_ranks(_world_worker, (world, port, blocks, steps, layers, out), world)
         rows[world] = out.get()
     return rows
 
@@ -294,7 +299,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worlds", type=int, nargs="*", default=[])
     parser.add_argument("--steps", type=int, default=4, help="steps per world size (part 2)")
+    parser.add_argument(
+        "--layers", type=int, default=LAYERS, help="model layers (fewer: a quick smoke run)"
+    )
     args = parser.parse_args()
+    if args.layers < 1:
+        parser.error(f"--layers {args.layers} must be >= 1")
+    use_layers(args.layers)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     part1 = {
@@ -302,7 +313,7 @@ def main() -> None:
         for freq in args.frequencies
         for block in args.blocks
     }
-    part2 = world_sizes(args.worlds, args.blocks, args.steps) if args.worlds else {}
+    part2 = world_sizes(args.worlds, args.blocks, args.steps, args.layers) if args.worlds else {}
     print(json.dumps({"benchmark": "shampoo_step", "side_by_side": part1, "worlds": part2}))
     print(
         f"{'case':>12} {'batched ms':>11} {'per-block ms':>13} {'ratio':>6} "

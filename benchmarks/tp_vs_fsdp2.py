@@ -38,7 +38,7 @@ gather; lower is better):
 
     python benchmarks/tp_vs_fsdp2.py [--world-size 4] [--tp 2] [--steps 8] [--dim 256]
         [--layers 4] [--heads 8] [--kv-heads 4] [--vocab 4096] [--batch 4] [--seq 128]
-        [--mixed-precision] [--optimizer {adamw,muon}]
+        [--mixed-precision] [--loss-parallel] [--optimizer {adamw,muon}]
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from recipes.llama.config import Config, ConfigError  # noqa: E402
 from recipes.llama.model import Transformer  # noqa: E402
 from recipes.llama.model_config import ModelConfig  # noqa: E402
 from recipes.llama.parallel import build_model, check_world, make_env  # noqa: E402
+from recipes.llama.tensor_parallel import loss_context  # noqa: E402
 from recipes.llama.train import loss_fn  # noqa: E402
 
 SYSTEMS = {"ours": "raggedfsdp", "fsdp2": "fsdp2", "gather": "fsdp2"}  # gather: Muon only
@@ -96,6 +97,7 @@ def config(args: argparse.Namespace, fsdp: str = "raggedfsdp") -> Config:
     )
     cfg = Config(model=model, seq_len=args.seq, tp=args.tp, fsdp=fsdp, device="cpu")
     cfg.mixed_precision = "bf16" if args.mixed_precision else "none"
+    cfg.loss_parallel = args.loss_parallel
     cfg.check()
     return cfg
 
@@ -115,12 +117,15 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
     return model, torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
-def _step(tokens: torch.Tensor):
+def _step(tokens: torch.Tensor, loss_parallel: bool = False):
     """One training step of a (model, optimizer) pair; returns the loss and the optimizer
-    step's seconds (from a barrier after backward, so that it waits for no peer's backward)."""
+    step's seconds (from a barrier after backward, so that it waits for no peer's backward).
+    With ``--loss-parallel`` the loss and its backward run under the recipe's ``loss_context``."""
 
     def step(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float]:
-        return train_step(loss_fn(model, tokens[:, :-1], tokens[:, 1:]), opt, barrier=True)
+        with loss_context(loss_parallel):
+            loss = loss_fn(model, tokens[:, :-1], tokens[:, 1:])
+            return train_step(loss, opt, barrier=True)
 
     return step
 
@@ -181,7 +186,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     dp_rank = rank // args.tp  # tp is the mesh's last dim: a TP group is neighbouring ranks
     gen = torch.Generator().manual_seed(dp_rank)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
-    step = _step(tokens)
+    step = _step(tokens, args.loss_parallel)
     check = None
     if args.optimizer == "muon":  # same gradients, one block: before anything is timed
         small = argparse.Namespace(**{**vars(args), "layers": 1})
@@ -278,6 +283,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--mixed-precision", action="store_true", help="bf16 compute, fp32 reduce")
+    parser.add_argument(
+        "--loss-parallel",
+        action="store_true",
+        help="the recipe's --loss-parallel: vocabulary-sharded logits, torch's loss_parallel()",
+    )
     parser.add_argument(
         "--optimizer",
         choices=("adamw", "muon"),

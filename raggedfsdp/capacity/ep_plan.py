@@ -16,7 +16,9 @@ Which experts a rank holds, the complement group's size and the refusals come fr
 Tokens reach their experts by two ``all_to_all_single`` calls per MoE layer (dispatch, then
 combine), each inverted in backward, after a count exchange of ``E`` int64s in forward. Each of a
 rank's ``T`` tokens goes to ``k`` experts as one row of the router's input width; with uniform
-routing ``(ep - 1) / ep`` of the rows leave the rank.
+routing ``(ep - 1) / ep`` of the rows leave the rank. With a tp dim as well the recipe gathers the
+sequence over TP before routing (``moe_tp_forward``), so every TP rank routes the ``T`` tokens
+its TP group gathered: ``--tokens-per-rank`` counts those.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ __all__ = [
     "all_to_all_bytes",
     "ep_local_model",
     "ep_ranks",
+    "fuse_experts",
+    "fused_note",
     "moe_layers",
     "shard_ranks",
 ]
@@ -90,6 +94,28 @@ def _fuse(group: Group) -> tuple[tuple[tuple[str, Shape], ...], bool]:
             )
         out.append((fused, (len(members), *members[0][1])))
     return tuple(out), bool(stacks)
+
+
+def fuse_experts(model: ModelShapes) -> tuple[ModelShapes, list[str]]:
+    """``model`` with every group's one-expert-per-tensor stacks fused into ``(E, m, n)``
+    tensors, the layout the recipe's experts have (EP splits their dim 0, TP their ``d_ff``),
+    and the names of the groups that had any."""
+    groups, fused = [], []
+    for g in model.groups:
+        tensors, any_fused = _fuse(g)
+        groups.append(dataclasses.replace(g, tensors=tensors) if any_fused else g)
+        fused += [g.name] if any_fused else []
+    return ModelShapes(model.name, model.source, tuple(groups)), fused
+
+
+def fused_note(fused: Sequence[str]) -> list[str]:
+    """The note of ``fuse_experts``' change, if it fused any group."""
+    if not fused:
+        return []
+    return [
+        f"{', '.join(fused)}: one tensor per expert is planned fused as (E, m, n), the "
+        "tensors the recipe's expert and tensor parallelism split (dim 0 over ep, d_ff over tp)"
+    ]
 
 
 def _layer(group: Group, tensors: Sequence[tuple[str, Shape]]) -> MoELayer:
@@ -167,12 +193,7 @@ def _notes(layers: dict[str, MoELayer], fused: list[str], mesh: Mesh) -> list[st
         f"the rest of the block over all {mesh.shard} shard ranks"
         for name, layer in layers.items()
     ]
-    if fused:
-        notes.append(
-            f"{', '.join(fused)}: one tensor per expert is planned fused as (E, m, n), the "
-            "tensors expert parallelism splits along dim 0"
-        )
-    return notes
+    return notes + fused_note(fused)
 
 
 def shard_ranks(mesh: Mesh, experts: bool = True) -> int:

@@ -74,12 +74,18 @@ from raggedfsdp.capacity.float8 import (
     gather_policy,
     payload,
 )
-from raggedfsdp.capacity.model_shapes import Group, ModelShapes, PlanError
+from raggedfsdp.capacity.model_shapes import Group, ModelShapes, PlanError, Shape
 from raggedfsdp.capacity.muon import MuonBalance, muon_balance
 from raggedfsdp.capacity.optimizer_state import counter_bytes, state_per_rank
 from raggedfsdp.capacity.policies import is_expert, shard_policy
 from raggedfsdp.capacity.settings import Settings
-from raggedfsdp.capacity.tp_plan import tp_block_notes, tp_local_model, tp_notes
+from raggedfsdp.capacity.tp_plan import (
+    check_quantized_splits,
+    tp_block_notes,
+    tp_dim,
+    tp_local_model,
+    tp_notes,
+)
 from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
 from raggedfsdp.sharding.planner import Layout, TensorSpec, plan_layout
 from raggedfsdp.sharding.units import expert_notes, resolve_units
@@ -104,7 +110,7 @@ class GroupPlan:
     state: np.ndarray  # optimizer state bytes per rank
     empty_ranks: int  # ranks holding no element of the group
     gather_bytes: int = 0  # bytes per rank of the group's all-gather (FP8 payload or param dtype)
-    tp_notes: tuple[str, ...] = ()  # optimizer blocks the TP split cuts (``tp_block_notes``)
+    tp_notes: tuple[str, ...] = ()  # policy blocks a TP or EP split cuts (``tp_block_notes``)
 
     @property
     def segment(self) -> int:
@@ -237,7 +243,7 @@ def _plan_group(group: Group, instances: int, settings: Settings) -> GroupPlan:
     units = resolve_units(policy, [(name, shape, dtype) for name, shape in group.tensors], world)
     specs = [TensorSpec(name, shape, dtype, units[name]) for name, shape in group.tensors]
     layout = plan_layout(specs, world, settings.alignment_bytes)
-    tp = tp_block_notes(group.tensors, units, policy, world, settings.mesh.tp, dtype)
+    tp = tp_block_notes(group, units, policy, world, settings.mesh, dtype)
     held = per_rank(layout, [1.0] * len(specs))
     pb = settings.precision.bytes("param")
     fp8 = settings.all_gather != "param"
@@ -276,6 +282,7 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
         )
     mesh = settings.mesh
     split, ep_notes = ep_local_model(model, mesh)
+    check_quantized_splits(split, mesh, settings.optimizer)
     local = tp_local_model(split, mesh)
     plans, sequence = _plan_model(local, settings)
     counters = counter_bytes(settings.optimizer, [t for g in local.groups for t in g.tensors])
@@ -296,7 +303,7 @@ def estimate(model: ModelShapes, settings: Settings) -> Estimate:
         padding=_padding(plans, local.numel),
         traffic=_traffic(sequence, settings, layers),
         muon=muon,
-        notes=_notes(plans, settings) + tp_notes(model, mesh.tp) + ep_notes,
+        notes=_notes(plans, settings) + tp_notes(model, mesh) + ep_notes,
         elapsed_s=time.perf_counter() - t0,
         float8=float8,
         moe=layers,
@@ -497,6 +504,11 @@ def _padding(plans, numel: int) -> dict[str, float]:
     }
 
 
+def _tp_expert(name: str, shape: Shape) -> bool:
+    """An expert tensor the TP plan splits (on its ``d_ff``)."""
+    return is_expert(name) and tp_dim(name, len(shape)) is not None
+
+
 def _gathers(root: bool, settings: Settings) -> int:
     """All-gathers of a group per step: ZeRO-3 gathers it again for backward, except the root,
     which stays gathered."""
@@ -548,7 +560,15 @@ def _notes(plans, settings: Settings) -> list[str]:
             "its state math needs no communication"
         )
     mesh = settings.mesh
-    if settings.optimizer.name == "muon" and mesh.tp > 1:
+    name = settings.optimizer.name
+    experts = sum(p.instances for p in plans for n, s in p.group.tensors if _tp_expert(n, s))
+    if name in ("shampoo", "soap") and mesh.tp > 1 and experts:
+        notes.append(
+            f"{name}: the slabs of the {experts:,} expert tensors TP splits on d_ff are computed "
+            "on owners over dp_shard x tp (raggedfsdp/optim/tp_slabs.py), which the planner "
+            "does not model: their per-slab state is counted where the TP-local layout puts it"
+        )
+    if name == "muon" and mesh.tp > 1:
         notes.append(
             f"muon: each matrix the TP split cuts is gathered whole on one owner from its pieces "
             f"over dp_shard x tp ({mesh.shard:,} x {mesh.tp} ranks) and its update sent back; "

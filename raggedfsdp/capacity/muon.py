@@ -205,8 +205,8 @@ def _tp_jobs(plan: Any, steps: int, tp: int) -> tuple[list[Job], list[Job]]:
     for name, shape in plan.group.tensors:
         tp_split = tp_dim(name, len(shape)) is not None
         for mat in group_matrices(plan.layout, [name], [shape], steps):
-            if tp_split:  # a 2-D matrix: Newton–Schulz on the global one
-                cost = float(ns_flops(*global_shape(name, shape, tp), steps))
+            if tp_split:  # a matrix (one expert's of a stack): Newton–Schulz on the global one
+                cost = float(ns_flops(*global_shape(name, shape, tp)[-2:], steps))
                 pieces = tuple((r * tp + t, n) for t in range(tp) for r, n in mat.job.pieces)
                 split.append(Job(pieces, cost))
             else:

@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "ShardMesh",
     "dp_submesh",
+    "forget_groups",
     "group_rank",
     "group_size",
     "product_group",
@@ -242,3 +243,12 @@ def product_group(outer: ProcessGroup, inner: ProcessGroup) -> ProcessGroup:
     )
     _PRODUCTS[key] = (outer, inner, product)
     return product
+
+
+def forget_groups() -> None:
+    """Drop the subgroups and product groups made so far (``shard_subgroup``,
+    ``product_group``), and the groups they keep alive: call it after destroying process
+    groups, so that their gloo threads and sockets end with them. A later call makes new
+    ones."""
+    _SUBGROUPS.clear()
+    _PRODUCTS.clear()

@@ -96,21 +96,25 @@ def measure(
     tensors: str = "real",
 ) -> StepReport:
     """Run ``build`` then ``steps`` training steps (``loss(model).backward()``, optimizer
-    step, ``zero_grad``) in the current process group; report the last step (``steps=0``:
+    step, ``zero_grad``) in the current process group; report the steady steps (``steps=0``:
     the set-up alone, with the state as built and no peaks or traffic).
 
-    The last step is the steady one (the first also makes the optimizer state and the
-    runtimes' lazy buffers). ``tensors`` only labels the report; the caller picks the
-    tensor mode. Collective bytes are this rank's, of the last step.
+    The steady steps are all but the first (which also makes the optimizer state and the
+    runtimes' lazy buffers). Each phase's peak is the least over the steady steps: a real
+    backend's threads drop their references to a finished collective's buffers a moment
+    after ``wait`` returns, so a free can land late and only ever add to a peak; with several
+    steady steps the figure is the runtime's own. ``tensors`` only labels the report; the
+    caller picks the tensor mode. Collective bytes are this rank's, of the last step.
     """
     if steps < 0:
         raise ValueError(f"steps={steps} must be >= 0 (0: set-up only)")
     tally, counter = MemoryTally(), CollectiveCounter()
+    steady: dict[str, int] = {}
     with counter, tally:
         start = time.perf_counter()
         model, optimizer = build(fully_shard_of(runtime))
         setup_s = time.perf_counter() - start
-        for _ in range(steps):
+        for step in range(steps):
             counter.reset()
             with tally.phase("forward"):
                 value = loss(model)
@@ -121,6 +125,8 @@ def measure(
                 optimizer.step()
             static = _static(tally, model, optimizer)
             optimizer.zero_grad()
+            if step > 0 or steps == 1:
+                steady = {k: min(v, steady.get(k, v)) for k, v in tally.peaks.items()}
         if not steps:
             static = _static(tally, model, optimizer)
     return StepReport(
@@ -129,9 +135,9 @@ def measure(
         world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         tensors=tensors,
         **static,
-        peak_forward=tally.peaks.get("forward", 0),
-        peak_backward=tally.peaks.get("backward", 0),
-        peak_step=tally.peaks.get("step", 0),
+        peak_forward=steady.get("forward", 0),
+        peak_backward=steady.get("backward", 0),
+        peak_step=steady.get("step", 0),
         all_gather=counter.bytes["all_gather"],
         reduce_scatter=counter.bytes["reduce_scatter"],
         all_reduce=counter.bytes["all_reduce"],

@@ -26,7 +26,6 @@ below ``min_8bit_size`` elements keep torch-style ``exp_avg`` / ``exp_avg_sq`` i
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from raggedfsdp.optim.quant import (
 )
 from raggedfsdp.sharding import RaggedShard, ShardPolicy
 from raggedfsdp.sharding.blocks import QuantBlocks
+from raggedfsdp.sharding.quant_tp import quant_split_grid
 from raggedfsdp.sharding.tp_shard import TPRaggedShard, TPShard, tp_split_of
 from raggedfsdp.sharding.units import adamw8bit_policy, is_quantized, quantized_unit
 
@@ -233,6 +233,9 @@ class AdamW8bit(ShardedOptimizer):
     """
 
     handles_tensor_parallel = True
+    #: EP x TP experts: their blocks' grid is split on both mesh dims where it can be
+    #: (``_tp_grid``), refused in one line where it cannot.
+    handles_multi_dim_tp = True
 
     _state_keys_depend_on = ("amsgrad",)
 
@@ -311,49 +314,22 @@ class AdamW8bit(ShardedOptimizer):
         what = f"a {self.tile} tile slab" if self.tile and len(shape) >= 2 else "a block"
         tp = tp_split_of(piece.spec)
         if tp is not None:
-            self._check_tp_blocks(piece, tp)
+            self._tp_grid(piece, tp)
             shape = tp.local_shape
         check_unit_alignment(piece, quantized_unit(shape, self.block_size, self.tile), what)
 
-    def _check_tp_blocks(self, piece: Piece, tp: TPShard) -> None:
-        """A TP-split parameter is quantized in the blocks of its global tensor (as on one
-        process) by quantizing each TP block's local tensor: that needs every block whole in one
-        TP block, and the TP blocks' blocks to form a ``Shard`` of the absmax grid (so
-        checkpoints keep the single-process grid). Refused otherwise, naming the fix."""
-        shape, local, d = tp.global_shape, tp.local_shape, tp.dim
-        where = self._split_by_tp(piece, tp)
-        if self.tile and len(shape) >= 2:
-            if d == len(shape) - 1:
-                if local[-1] % self.tile[1]:
-                    fix = f"a tile width that divides {local[-1]}"
-                    why = f"its {local[-1]} columns per TP rank cut tile={self.tile}"
-                    raise ValueError(f"{where}: {why}; use {fix}, or AdamW for it")
-                return
-            rows = math.prod(local[:-1])
-            if tp.contiguous_run and rows % self.tile[0] == 0:
-                return
-            why = (
-                f"its {rows} rows per TP rank cut tile={self.tile}"
-                if tp.contiguous_run
-                else "its TP blocks are not whole tile rows of the global tensor"
-            )
-            raise ValueError(
-                f"{where}: {why}; use a tile height that divides {rows} with TP on dim 0 or on "
-                "the last dim, or AdamW for it"
-            )
-        numel = math.prod(local)
-        if tp.contiguous_run and numel % self.block_size == 0:
-            return
-        why = (
-            f"its {numel} elements per TP rank are not whole {self.block_size}-element blocks"
-            if tp.contiguous_run
-            else f"{self.block_size}-element blocks of the global flat index cross its TP blocks"
-        )
-        raise ValueError(
-            f"{where}: {why}; quantize it in tiles (tile=(rows, cols), cols dividing "
-            f"{local[-1]}), choose a block_size that divides {numel} with TP on dim 0, or give "
-            "it to AdamW"
-        )
+    def _tp_grid(self, piece: Piece, tp: TPShard) -> tuple[int | None, ...]:
+        """The absmax grid dim each TP (or EP) split of ``piece`` cuts: a TP-split parameter is
+        quantized in the blocks of its global tensor (as on one process) by quantizing each
+        TP block's local tensor, which needs every block whole in one TP block and the TP
+        blocks' blocks to form a ``Shard`` of the absmax grid (so checkpoints keep the
+        single-process grid). Refused otherwise, naming the fix: the rule is
+        ``sharding.quant_tp.quant_split_grid``, which the capacity planner applies too."""
+        splits = tuple((d, tp.mesh.size(i)) for i, d in tp.splits)
+        try:
+            return quant_split_grid(tp.global_shape, splits, self.block_size, self.tile)
+        except ValueError as err:
+            raise ValueError(f"{self._split_by_tp(piece, tp)}: {err}") from None
 
     # ----------------------------------------------------------------------------- state
     def _blocks_of(self, piece: Piece) -> _Blocks:
@@ -372,8 +348,7 @@ class AdamW8bit(ShardedOptimizer):
             )
         if tp is not None:  # the TP blocks' grids are a Shard of the global grid (checked)
             grid_shape = QuantBlocks.of(tp.global_shape, self.block_size, self.tile).grid_shape
-            grid_dim = 1 if blocks.tiled and tp.dim == len(shape) - 1 else 0
-            shard = TPRaggedShard.of(shard, tp.derived(grid_shape, grid_dim))
+            shard = TPRaggedShard.of(shard, tp.derived(grid_shape, self._tp_grid(piece, tp)))
         found = _Blocks(BlockGrid(*blocks.local_view(start, stop)), grid_shape, shard)
         self._blocks[piece] = found
         return found

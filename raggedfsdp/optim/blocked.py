@@ -55,6 +55,8 @@ class BlockedOptimizer(ShardedOptimizer):
     """
 
     handles_tensor_parallel = True
+    #: EP x TP experts (split on ``ep`` and ``tp``) take the owner path of ``tp_slabs``.
+    handles_multi_dim_tp = True
 
     def __init__(
         self,
@@ -143,11 +145,15 @@ class BlockedOptimizer(ShardedOptimizer):
 
     def _cut_by_tp(self, piece: Piece) -> bool:
         """Whether the TP split cuts the global tensor's blocks, so its slabs are computed on
-        owners over TP × data parallel (``tp_slabs``) rather than in each TP block."""
+        owners over TP × data parallel (``tp_slabs``) rather than in each TP block. A tensor
+        split on several mesh dims (EP x TP experts) always takes the owner path: its TP
+        blocks' state is no ``Shard`` of the global state (a row split after the expert dim
+        interleaves the ranks' slabs), while slabs held whole by their owner still move
+        nothing there."""
         if piece not in self._cut:
             tp = tp_split_of(piece.spec)
             cut = tp is not None and self._preconditioned(piece)
-            self._cut[piece] = cut and not self._tp_blocks_whole(tp)
+            self._cut[piece] = cut and (len(tp.dims) > 1 or not self._tp_blocks_whole(tp))
         return self._cut[piece]
 
     def _tp_blocks_whole(self, tp: TPShard) -> bool:

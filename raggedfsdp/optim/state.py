@@ -234,16 +234,17 @@ class ShardedState(OptimizerHooks):
 
     def _check_split_dims(self, piece: Piece) -> None:
         """Refuse, at construction, a parameter split on several mesh dims (EP x TP experts)
-        for an optimizer whose math blocks the global tensor along one TP split only
-        (``handles_multi_dim_tp`` unset), naming the fix."""
+        for an optimizer whose math knows one TP split only (``handles_multi_dim_tp`` unset:
+        a subclass written for 1-D TP), naming the fix."""
         tp = tp_of(piece.spec)
         if tp is None or len(tp.dims) < 2 or self.handles_multi_dim_tp:
             return
         kind = type(self).__name__
         raise ValueError(
-            f"{self._split_by_tp(piece, tp)}: {kind} lays its blocks along one split dim, not "
-            f"{len(tp.dims)}; give it to AdamW or Muon (a param group of their own), or split "
-            f"it on one of {tp.mesh.mesh_dim_names} only"
+            f"{self._split_by_tp(piece, tp)}: {kind} knows pieces split on one mesh dim, not "
+            f"{len(tp.dims)} (handles_multi_dim_tp unset); give it to AdamW, Muon, Shampoo or "
+            f"SOAP (a param group of their own), or split it on one of {tp.mesh.mesh_dim_names} "
+            "only"
         )
 
     def _copy_state(self, piece: Piece, saved: dict[str, Any]) -> None:

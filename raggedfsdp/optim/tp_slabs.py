@@ -5,21 +5,25 @@ Why it exists: ``Shampoo`` and ``SOAP`` precondition the global tensor's ``B × 
 one process does. Where every TP block holds whole blocks (``BlockedOptimizer._cut_by_tp`` is
 false) each TP rank blocks its own TP block and nothing moves. Elsewhere (a slab taller than a
 colwise weight's TP block, a block wider than a rowwise weight's column block, a split on a
-middle dim of a 3-D tensor) a slab (one row of blocks) has pieces on several TP ranks, and on
-several data-parallel ranks of each. This module then works over the ``T · D`` ranks of TP × dp
-as one group (``product_group(tp, dp)``: rank ``t · D + d``):
+middle dim of a 3-D tensor, an EP x TP expert tensor split on ``ep`` and ``tp``) a slab (one
+row of blocks) has pieces on several TP ranks, and on several data-parallel ranks of each.
+This module then works over the ``T · D`` ranks of TP × dp as one group (``product_group(tp,
+dp)``: rank ``t · D + d``, ``t`` row-major over the split mesh dims):
 
-* each global slab's pieces: one contiguous run of each holder's local piece (a TP block holds
-  a contiguous run of a slab's rows in its own row order, or, for a split along a later dim of
-  the blocked view, the slab's rows of its column block);
-* its owner: the holder of the slab's first element for a row split (the rank after the
-  balanced share ``slab · W / slabs`` when that order is not monotone: a middle-dim split
-  interleaves TP ranks), for a column split the holder on TP rank ``slab · T / slabs``; owners
-  are non-decreasing in slab order, so per-slab state is split by whole slabs in rank order;
+* each global slab's pieces: one contiguous run of each holder's local piece. A split of one
+  of the dims that form the blocked view's rows (a *row* split) gives each rank some of a
+  slab's rows, a split of a later dim (a *column* split) a block of its columns; a rank's block
+  maps onto the global flat order monotonically, so a slab (a run of it) meets it in a run;
+* its owner: the holder of the slab's first element, spread over the column splits' ranks
+  along each run of slabs on the same row ranks (``slab · C / slabs`` within the run); the
+  rank after the balanced share ``slab · W / slabs`` when that order is not monotone (a row
+  split after a leading dim, such as ``d_ff`` after the expert dim, interleaves the ranks);
+  owners are non-decreasing in slab order, so per-slab state is split by whole slabs in rank
+  order;
 * the exchange: one uneven all-to-all per input to the owners (``owner_compute.ExchangePlan``,
-  as Muon's TP matrices), the owner puts the pieces in global order (rows back in order by a
-  per-slab row order, or TP column blocks concatenated along the split dim), the optimizer
-  computes the slab, and the result travels back the same way.
+  as Muon's TP matrices), the owner puts each holder's rows and columns in their place in the
+  global slab, the optimizer computes the slab, and the result travels back the same way.
+  A slab held whole by its owner is computed from views, and moves nothing.
 
 The per-slab state (factors, roots, bases) of such a parameter is a ``RaggedTensor`` over that
 group, split by whole slabs in rank order, in the global tensor's shape: its DCP boxes are
@@ -52,83 +56,137 @@ __all__ = ["TPSlabGeometry", "TPSlabRunner"]
 # ----------------------------------------------------------------------------- geometry
 @dataclass(frozen=True)
 class _Split:
-    """How the TP split runs through the blocked view ``dims`` (rows, then the column dims)."""
+    """How the TP splits run through the blocked view ``dims`` (rows, then the column dims).
 
-    view_dim: int  # 0: the view's rows; else the view dim the split cuts (a column split)
-    degree: int
-    local_dims: tuple[int, ...]  # the TP block's part of ``dims`` (rows as its own view has)
+    A split-rank ``t`` (``tp.rank``: row-major over the split mesh dims, in mesh order) has one
+    coordinate per split. A split of one of the tensor dims that form the view's rows is a
+    *row* split (``view_dims`` 0); one of a later dim a *column* split of that view dim."""
+
+    degrees: tuple[int, ...]  # per split, in mesh order
+    view_dims: tuple[int, ...]  # per split: 0 for a row split, else the view dim it cuts
+    local_dims: tuple[int, ...]  # a split-rank's part of ``dims`` (rows as its own view has)
+
+    @property
+    def degree(self) -> int:
+        return math.prod(self.degrees)
 
     @property
     def local_cols(self) -> int:
         return math.prod(self.local_dims[1:])
 
+    @property
+    def col_degree(self) -> int:
+        """Split-ranks that hold columns of each row (the column splits' degrees)."""
+        return math.prod(n for n, v in zip(self.degrees, self.view_dims, strict=True) if v)
+
+    def _coords(self, t: int) -> list[int]:
+        coords = [0] * len(self.degrees)
+        for k in reversed(range(len(self.degrees))):
+            t, coords[k] = divmod(t, self.degrees[k])
+        return coords
+
+    def rank_of(self, row_key: int, col_key: int) -> int:
+        """The split-rank at row coordinates ``row_key`` and column coordinates ``col_key``
+        (each row-major over its splits, in mesh order)."""
+        coords = [0] * len(self.degrees)
+        for is_col, value in ((False, row_key), (True, col_key)):
+            for k in reversed(range(len(self.degrees))):
+                if bool(self.view_dims[k]) == is_col:
+                    value, coords[k] = divmod(value, self.degrees[k])
+        rank = 0
+        for k, c in enumerate(coords):
+            rank = rank * self.degrees[k] + c
+        return rank
+
+    def col_box(self, t: int) -> tuple[slice, ...]:
+        """Split-rank ``t``'s part of the view's later dims, one slice per dim."""
+        box = [slice(None)] * (len(self.local_dims) - 1)
+        for c, v in zip(self._coords(t), self.view_dims, strict=True):
+            if v:
+                box[v - 1] = slice(c * self.local_dims[v], (c + 1) * self.local_dims[v])
+        return tuple(box)
+
 
 @dataclass(frozen=True)
 class _Slab:
     """Where one global slab lies: ``(rank, start, stop)`` runs of the holders' local pieces in
-    rank order (what the owner concatenates), its rows, for a row split whose TP ranks
-    interleave the slab row of each concatenated row (None: already in order), and the rank
-    holding its first element."""
+    rank order (what the owner concatenates), its rows, each holding split-rank (in that order)
+    with the slab rows it holds (a slice, or their indices where split-ranks' rows interleave),
+    the rank holding its first element and that element's row coordinates."""
 
     parts: tuple[tuple[int, int, int], ...]
     rows: int
-    order: Tensor | None
+    holders: tuple[tuple[int, slice | Tensor], ...]
     first: int
+    row_key: int
 
 
 def _split_of(blocks: Slabs, tp: TPShard) -> tuple[_Split, int]:
-    """The TP split in the blocked view's terms, and the tensor dims that form the view's rows:
-    the view's rows are the tensor's leading dims and its later dims the tensor's own
+    """The TP splits in the blocked view's terms, and the tensor dims that form the view's
+    rows: the view's rows are the tensor's leading dims and its later dims the tensor's own
     (``merge_dims`` is refused with TP, so no other views arise)."""
     shape, dims = tp.global_shape, tuple(blocks.dims)
     row_dims = 1 if len(shape) == 1 else len(shape) - len(dims) + 1
     if math.prod(shape[:row_dims]) != dims[0] or dims[1:] != (tuple(shape[row_dims:]) or (1,)):
         raise ValueError(f"blocked view {dims} is not a view of the TP tensor {shape}")
-    view_dim = 0 if tp.dim < row_dims else tp.dim - row_dims + 1
-    local = list(dims)
-    local[view_dim] //= tp.size
-    return _Split(view_dim, tp.size, tuple(local)), row_dims
+    degrees = tuple(tp.mesh.size(i) for i, _ in tp.splits)
+    view_dims = tuple(0 if d < row_dims else d - row_dims + 1 for _, d in tp.splits)
+    local = [math.prod(tp.local_shape[:row_dims]), *dims[1:]]
+    for v, degree in zip(view_dims, degrees, strict=True):
+        if v:
+            local[v] //= degree
+    return _Split(degrees, view_dims, tuple(local)), row_dims
 
 
 def _row_map(tp: TPShard, rows: int, row_dims: int) -> tuple[Tensor, Tensor]:
-    """For every row of the global view: the TP rank holding it and its row in that rank's
-    own view (the tensor's leading dims, the split one cut to its TP block)."""
-    shape, k = tp.global_shape, tp.dim
+    """For every row of the global view: the row coordinates (row-major over the row splits,
+    in mesh order) of the split-ranks holding it, and its row in their own view (the tensor's
+    leading dims, each split one cut to its block)."""
+    shape, local_shape = tp.global_shape[:row_dims], tp.local_shape[:row_dims]
     r = torch.arange(rows)
-    inner, size = math.prod(shape[k + 1 : row_dims]), shape[k]
-    local = size // tp.size
-    i = (r // inner) % size
-    outer = r // (inner * size)
-    return i // local, (outer * local + i % local) * inner + r % inner
+
+    def index(d: int) -> Tensor:  # the row's index along tensor dim d
+        return (r // math.prod(shape[d + 1 :])) % shape[d]
+
+    local = sum(
+        (index(d) % local_shape[d]) * math.prod(local_shape[d + 1 :]) for d in range(row_dims)
+    )
+    key = torch.zeros_like(r)
+    for i, d in tp.splits:
+        if d < row_dims:
+            key = key * tp.mesh.size(i) + index(d) // local_shape[d]
+    return key, local
 
 
-def _runs(
-    blocks: Slabs, split: _Split, row_map: tuple[Tensor, Tensor] | None, i: int
-) -> tuple[list[tuple[int, int, int]], Tensor | None]:
-    """``(TP rank, first, stop)`` of each TP block's rows of slab ``i`` in its own view, and
-    the slab row of each row in that order (None: in order). A TP block's rows of a slab are
-    contiguous in its view: the split maps a run of global rows onto a run of local rows."""
-    a, b = (x // blocks.cols for x in blocks.slab_range(i))
-    if row_map is None:  # a column split: every TP rank holds all the rows
-        return [(t, a, b) for t in range(split.degree)], None
-    owner, local = row_map[0][a:b], row_map[1][a:b]
-    runs = []
-    for t in torch.unique(owner).tolist():
-        rows = local[owner == t]
-        runs.append((t, int(rows[0]), int(rows[-1]) + 1))
-    ordered = bool((owner[1:] >= owner[:-1]).all())
-    return runs, None if ordered else torch.argsort(owner, stable=True)
+def _holders(
+    split: _Split, keys: Tensor, local: Tensor
+) -> list[tuple[int, int, int, slice | Tensor]]:
+    """``(split-rank, first, stop, slab rows)`` of each split-rank holding part of a slab whose
+    rows have row coordinates ``keys`` and local rows ``local``, in rank order. A split-rank's
+    rows of a slab are contiguous in its view: its block maps onto the global order
+    monotonically, so a run of global rows meets it in a run of local rows."""
+    holders = []
+    for u in torch.unique(keys).tolist():
+        held = (keys == u).nonzero().flatten()
+        first, count = int(held[0]), held.numel()
+        rows = slice(first, first + count) if int(held[-1]) - first + 1 == count else held
+        lo, hi = int(local[first]), int(local[held[-1]]) + 1
+        for c in range(split.col_degree):
+            holders.append((split.rank_of(u, c), lo, hi, rows))
+    return sorted(holders, key=lambda h: h[0])
 
 
 def _slab(
-    blocks: Slabs, split: _Split, row_map: tuple[Tensor, Tensor] | None, i: int, bounds: list
+    blocks: Slabs, split: _Split, row_map: tuple[Tensor, Tensor], i: int, bounds: list
 ) -> _Slab:
     """Slab ``i``'s pieces on the ranks ``t · D + d`` (``bounds``: the dp split of a TP block,
-    the same on every TP rank)."""
-    runs, order = _runs(blocks, split, row_map, i)
+    the same on every split-rank)."""
+    a, b = (x // blocks.cols for x in blocks.slab_range(i))
+    keys, local = row_map[0][a:b], row_map[1][a:b]
     dp, cols = len(bounds) - 1, split.local_cols
-    parts = []
-    for t, first, stop in runs:
+    parts, holders = [], []
+    for t, first, stop, rows in _holders(split, keys, local):
+        holders.append((t, rows))
         lo, hi = first * cols, stop * cols
         d = bisect_right(bounds, lo) - 1
         while d < dp and bounds[d] < hi:
@@ -136,19 +194,21 @@ def _slab(
             if end > start:
                 parts.append((t * dp + d, start - bounds[d], end - bounds[d]))
             d += 1
-    a = blocks.slab_range(i)[0] // blocks.cols
-    t0, row0 = (0, a) if row_map is None else (int(row_map[0][a]), int(row_map[1][a]))
-    first = t0 * dp + bisect_right(bounds, row0 * cols) - 1
-    rows = sum(stop - f for _, f, stop in runs) if row_map is not None else runs[0][2] - runs[0][1]
-    return _Slab(tuple(parts), rows, order, first)
+    row_key = int(keys[0])
+    first = split.rank_of(row_key, 0) * dp + bisect_right(bounds, int(local[0]) * cols) - 1
+    return _Slab(tuple(parts), b - a, tuple(holders), first, row_key)
 
 
 def _owners(slabs: Sequence[_Slab], split: _Split, dp: int) -> list[int]:
-    """Each slab's owner, non-decreasing in slab order (see the module docstring)."""
-    n, world = len(slabs), dp * split.degree
-    if split.view_dim:  # a column split: spread over the TP ranks, on the first row's dp rank
-        return [i * split.degree // n * dp + s.first % dp for i, s in enumerate(slabs)]
-    owners = [s.first for s in slabs]
+    """Each slab's owner, non-decreasing in slab order (see the module docstring): the holder
+    of its first element, spread over the column splits' ranks along each run of slabs on
+    the same row ranks; balanced shares where that order is not monotone."""
+    n, world, cols = len(slabs), dp * split.degree, split.col_degree
+    owners = []
+    for key, run in itertools.groupby(slabs, key=lambda s: s.row_key):
+        run = list(run)
+        for j, s in enumerate(run):
+            owners.append(split.rank_of(key, j * cols // len(run)) * dp + s.first % dp)
     if all(a <= b for a, b in itertools.pairwise(owners)):
         return owners
     return [i * world // n for i in range(n)]
@@ -171,7 +231,7 @@ class TPSlabGeometry:
     def of(cls, piece: Piece, blocks: Slabs) -> TPSlabGeometry:
         tp = tp_split_of(piece.spec)
         split, row_dims = _split_of(blocks, tp)
-        row_map = _row_map(tp, blocks.rows, row_dims) if split.view_dim == 0 else None
+        row_map = _row_map(tp, blocks.rows, row_dims)
         bounds, dp = list(piece.spec.bounds), piece.spec.world_size
         slabs = [_slab(blocks, split, row_map, i, bounds) for i in range(blocks.num_slabs)]
         owners = _owners(slabs, split, dp)
@@ -211,23 +271,26 @@ class TPSlabGeometry:
 
     def to_global(self, i: int, flat: Tensor) -> Tensor:
         """Slab ``i`` as the ``rows × cols`` matrix of the global view, from its pieces
-        concatenated in rank order."""
-        slab, split, cols = self.slabs[i], self.split, self.blocks.cols
-        if split.view_dim:
-            sides = (slab.rows, *split.local_dims[1:])
-            blocks = [b.view(sides) for b in flat.chunk(split.degree)]
-            return torch.cat(blocks, dim=split.view_dim).view(slab.rows, cols)
-        matrix = flat.view(slab.rows, cols)
-        return matrix if slab.order is None else matrix[torch.argsort(slab.order)]
+        concatenated in rank order (each holder's rows and columns put in their place)."""
+        slab, split = self.slabs[i], self.split
+        matrix = flat.new_empty((slab.rows, *self.blocks.dims[1:]))
+        sides, offset = split.local_dims[1:], 0
+        for t, rows in slab.holders:
+            n = _count(rows) * split.local_cols
+            matrix[(rows, *split.col_box(t))] = flat[offset : offset + n].view(-1, *sides)
+            offset += n
+        return matrix.view(slab.rows, self.blocks.cols)
 
     def to_pieces(self, i: int, matrix: Tensor) -> Tensor:
         """``to_global`` backwards: slab ``i``'s result, flat, in its pieces' rank order."""
         slab, split = self.slabs[i], self.split
-        if split.view_dim:
-            sides = (slab.rows, *self.blocks.dims[1:])
-            blocks = matrix.reshape(sides).chunk(split.degree, dim=split.view_dim)
-            return torch.cat([b.reshape(-1) for b in blocks])
-        return (matrix if slab.order is None else matrix[slab.order]).reshape(-1)
+        matrix = matrix.reshape(slab.rows, *self.blocks.dims[1:])
+        held = [matrix[(rows, *split.col_box(t))].reshape(-1) for t, rows in slab.holders]
+        return torch.cat(held)
+
+
+def _count(rows: slice | Tensor) -> int:
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
 
 
 # ----------------------------------------------------------------------------- the runner

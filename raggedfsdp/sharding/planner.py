@@ -194,8 +194,13 @@ class Layout:
             return segment[0:0]
         return segment[start + lo - seg_start : start + hi - seg_start]
 
-    def gaps(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` of every stretch of padding in the global buffer, in order."""
+    def gaps(self) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` of every stretch of padding in the global buffer, in order
+        (computed once: a gradient buffer zeroes them at every step)."""
+        return self._gaps
+
+    @cached_property
+    def _gaps(self) -> tuple[tuple[int, int], ...]:
         gaps, cursor = [], 0
         for start, numel in sorted((self.offsets[t.name], t.numel) for t in self.tensors):
             if start > cursor:
@@ -203,7 +208,7 @@ class Layout:
             cursor = max(cursor, start + numel)
         if cursor < self.buffer_numel:
             gaps.append((cursor, self.buffer_numel))
-        return gaps
+        return tuple(gaps)
 
     def check(self) -> None:
         """Verify every guarantee of the plan; raises ``AssertionError`` naming the broken one."""

@@ -146,23 +146,32 @@ class TPShard:
         dim before the innermost split one holds one index (or nothing is split)."""
         return self.dim is None or math.prod(self.local_shape[: self.dim]) == 1
 
-    def derived(self, global_shape: tuple[int, ...], dim: int | None) -> TPShard:
+    def derived(
+        self, global_shape: tuple[int, ...], dim: int | tuple[int | None, ...] | None
+    ) -> TPShard:
         """The record of a tensor derived from this one block by block (an optimizer's state
         grid): ``global_shape``, split on ``dim`` over the same TP ranks (``None``:
-        replicated). For a tensor split on one mesh dim (optimizers that derive state grids
-        refuse several: ``OptimizerHooks.handles_tensor_parallel_dims``)."""
-        if len(self.placements) != 1:
+        replicated). For a tensor split on several mesh dims, ``dim`` has one entry per
+        ``splits`` pair: the derived dim that mesh dim splits (``None``: that mesh dim
+        replicates it, right only where it has one rank); the other mesh dims replicate."""
+        dims = dim if isinstance(dim, tuple) else (dim,)
+        if len(self.placements) != 1 and len(dims) != len(self.splits):
             raise ValueError(
                 f"a state grid derived from a tensor split on {self.placements} over "
-                f"{self.mesh.mesh_dim_names}: derived records are for one split mesh dim"
+                f"{self.mesh.mesh_dim_names}: give one derived dim per split, got {dim}"
             )
-        placement = Replicate() if dim is None else Shard(dim)
+        mesh_dims = [i for i, _ in self.splits] if len(self.placements) != 1 else [0]
+        placements: list[Placement] = [Replicate()] * len(self.placements)
+        for i, d in zip(mesh_dims, dims, strict=True):
+            placements[i] = Replicate() if d is None else Shard(d)
         stride = [1] * len(global_shape)
         for i in range(len(global_shape) - 2, -1, -1):
             stride[i] = stride[i + 1] * global_shape[i + 1]
-        group = None if dim is None else self.mesh.get_group(0)
+        group = None
+        if any(isinstance(p, Shard) for p in placements):  # the ranks the splits span
+            group = self.mesh.get_group(0) if len(self.placements) == 1 else self.split_group
         return TPShard(
-            self.mesh, (placement,), tuple(global_shape), tuple(stride), self.coordinate, group
+            self.mesh, tuple(placements), tuple(global_shape), tuple(stride), self.coordinate, group
         )
 
     def local_of(self, full: torch.Tensor) -> torch.Tensor:

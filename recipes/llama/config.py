@@ -85,6 +85,9 @@ class Config:
     ] = False
     dp_replicate: Annotated[int, "HSDP replicas (mesh dim 0); 1 = plain FSDP over all ranks"] = 1
     tp: Annotated[int, "tensor-parallel degree (last mesh dim, torchtitan's Llama plan)"] = 1
+    loss_parallel: Annotated[
+        bool, "--tp: logits and cross-entropy sharded over the vocabulary (torchtitan's)"
+    ] = False
     ep: Annotated[
         int, "MoE: expert-parallel degree (E / ep whole experts per rank, all-to-all)"
     ] = 1
@@ -147,6 +150,11 @@ class Config:
             raise ConfigError("min_lr_ratio and decay_fraction must be in [0, 1]")
         check_ep(self)
         check_tp(self.model, self.seq_len, self.tp, self.all_gather)
+        if self.loss_parallel and self.tp == 1:
+            raise ConfigError(
+                "--loss-parallel needs --tp N > 1 (it shards the logits over the TP ranks): "
+                "add --tp 2 (or another degree) or drop --loss-parallel"
+            )
         check_pp(self)
 
     def to_dict(self) -> dict[str, Any]:

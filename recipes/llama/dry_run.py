@@ -34,6 +34,7 @@ from recipes.llama.config import USAGE_ERROR, Config, ConfigError, parse_args
 from recipes.llama.model_config import MoEConfig
 from recipes.llama.moe import model_class
 from recipes.llama.optimizers import CHOICES, build_optimizer, optimizer_class, shard_policy
+from recipes.llama.tensor_parallel import loss_context
 
 __all__ = ["DryRun", "expert_impl_for", "main", "parse_dry_run", "run", "split_argv"]
 
@@ -143,7 +144,8 @@ def _build(cfg: Config, env: parallel.Env) -> Callable[[Callable[..., Any]], tup
 
 
 def _loss(cfg: Config) -> Callable[[nn.Module], torch.Tensor]:
-    """The recipe's loss on one micro-batch of ``micro_batch_size`` x ``seq_len`` tokens."""
+    """The recipe's loss on one micro-batch of ``micro_batch_size`` x ``seq_len`` tokens (with
+    ``--loss-parallel``, on vocabulary-sharded logits: ``run`` measures under ``loss_context``)."""
 
     def loss(model: nn.Module) -> torch.Tensor:
         device = _device(cfg)
@@ -214,7 +216,7 @@ def run(cfg: Config, request: DryRun, steps: int = 2) -> StepReport:
     with fake_world(rank, world_size):
         # the mesh first, with real tensors: it holds rank numbers that fake ones would lose
         env = parallel.make_env(_device(cfg), 0, cfg.dp_replicate, cfg.tp, cfg.ep)
-        with tensor_mode(tensors):
+        with tensor_mode(tensors), loss_context(cfg.loss_parallel):  # forward and backward
             return measure(_build(cfg, env), _loss(cfg), cfg.fsdp, steps, tensors)
 
 

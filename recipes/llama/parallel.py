@@ -430,7 +430,7 @@ def build_model(cfg: Config, env: Env, policy: ShardPolicy | None) -> Transforme
             wrap(block)
     model.materialize_root(env.device, cfg.seed)
     if env.tp_mesh is not None:
-        apply_tp_to_root(model, env.tp_mesh)
+        apply_tp_to_root(model, env.tp_mesh, cfg.loss_parallel)
     if not cfg.model.tie_embeddings:
         # an embedding's backward needs the token ids, not its weight: no all-gather for it
         wrap(model.tok_embeddings).set_unshard_in_backward(False)

@@ -3,12 +3,15 @@
 TP runs inside the data-parallel mesh: ``init_device_mesh`` lays the ranks out with ``tp`` as the
 last (fastest) dim, so the N ranks of one TP group are neighbours (one node on a cluster), and
 ``fully_shard(..., mesh=mesh["dp_shard"])`` (raggedfsdp or FSDP2) shards the TP-local tensors over
-data parallel. The plan is torchtitan's ``apply_tp`` without loss parallel: in every block
+data parallel. The plan is torchtitan's ``apply_tp``, loss parallel optional: in every block
 ``wq``/``wk``/``wv`` and ``w1``/``w3`` column-wise (weights ``Shard(0)``: each rank computes
 ``n_heads / N`` heads and ``1/N`` of the SwiGLU width), ``wo`` and ``w2`` row-wise (``Shard(1)``,
 outputs reduce-scattered along the sequence), the norms sequence-parallel (replicated weights,
 activations sharded along the sequence between the blocks); the embedding row-wise (vocabulary
-rows) and the head column-wise with replicated logits, so the loss is the plain one.
+rows) and the head column-wise with replicated logits, so the loss is the plain one. With
+``--loss-parallel`` the head keeps its logits vocabulary-sharded (``Shard(-1)`` DTensors) and
+the cross-entropy runs under ``loss_context``, torch's ``loss_parallel`` (torchtitan's), so no
+rank holds the full-vocabulary logits or their gradient.
 
 MoE blocks (``apply_tp_to_moe``, ``moe_tp_forward``): attention and norms as above; the
 feed-forward gathers the sequence-parallel tokens over TP, routes them with a replicated router
@@ -26,6 +29,9 @@ the processes, before the process group is touched.
 
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,8 +44,15 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
 
-__all__ = ["apply_tp_to_block", "apply_tp_to_moe", "apply_tp_to_root", "moe_tp_forward"]
+__all__ = [
+    "apply_tp_to_block",
+    "apply_tp_to_moe",
+    "apply_tp_to_root",
+    "loss_context",
+    "moe_tp_forward",
+]
 
 
 def _sequence_to_whole(extra: int) -> PrepareModuleInput:
@@ -80,15 +93,29 @@ def apply_tp_to_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
         apply_tp_to_moe(moe, tp_mesh)
 
 
-def apply_tp_to_root(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tp_to_root(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = False) -> None:
     """The embedding row-wise (its output reduce-scattered along the sequence), the final norm
-    sequence-parallel and the head column-wise with replicated logits (no loss parallel)."""
+    sequence-parallel and the head column-wise on the norm's sequence-sharded output. Its
+    logits are all-gathered into plain full-vocabulary tensors, or, with ``loss_parallel``,
+    stay ``Shard(-1)`` DTensors (each rank's ``vocab_size / N`` columns) for a loss computed
+    under ``loss_context``. The head's weight is ``Shard(0)`` either way, so checkpoints do
+    not depend on the choice."""
+    logits = Shard(-1) if loss_parallel else Replicate()
     plan = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=logits, use_local_output=not loss_parallel
+        ),
     }
     parallelize_module(model, tp_mesh, plan)
+
+
+def loss_context(enabled: bool) -> AbstractContextManager[None]:
+    """torch's ``loss_parallel()`` where ``--loss-parallel`` is on (a no-op context otherwise):
+    ``F.cross_entropy`` on vocabulary-sharded DTensor logits then reduces the softmax over TP
+    instead of gathering the logits. The loss's backward must run inside it too."""
+    return torch_loss_parallel() if enabled else contextlib.nullcontext()
 
 
 def _moe_of(block: nn.Module) -> nn.Module | None:

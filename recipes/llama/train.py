@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp import all_gather_bytes
 from recipes.llama.checkpoint import Checkpointer, CheckpointError, GracefulStop, TrainState
@@ -77,6 +78,7 @@ from recipes.llama.pipeline import Pipeline, build_pipeline, pipeline_evaluate, 
 from recipes.llama.pipeline_checks import microbatches
 from recipes.llama.prepare import prepare_default
 from recipes.llama.run_record import Finished, clear_finished, mark_finished, read_finished
+from recipes.llama.tensor_parallel import loss_context
 
 __all__ = ["RunResult", "main", "train", "train_step"]
 
@@ -134,8 +136,13 @@ def open_data(cfg: Config, env: Env) -> TokenData:
 
 
 def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy over the tokens, a plain tensor. With ``--loss-parallel`` the
+    logits are vocabulary-sharded DTensors: call it, and the loss's backward, under
+    ``loss_context``; the replicated DTensor loss comes back as its local value (the same on
+    every TP rank), whose backward hands DTensor the replicated gradient it expects."""
     logits = model(inputs)
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 @torch.no_grad()
@@ -147,7 +154,8 @@ def evaluate(model: nn.Module, batches: Batches, cfg: Config, env: Env, accum: i
     for index in range(cfg.eval_batches):
         for micro in range(accum):
             x, y = batches.local(index, env.dp_rank, env.dp_size, micro, accum)
-            total += loss_fn(model, x.to(env.device), y.to(env.device))
+            with loss_context(cfg.loss_parallel):
+                total += loss_fn(model, x.to(env.device), y.to(env.device))
     if cfg.fsdp == "fsdp2":  # FSDP2 keeps its root (and [norm, output]) gathered for a backward
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -179,8 +187,9 @@ def train_step(
     for micro in range(accum):
         x, y = batches.local(step, env.dp_rank, env.dp_size, micro, accum)
         model.set_requires_gradient_sync(micro == accum - 1)
-        loss = loss_fn(model, x.to(env.device), y.to(env.device)) / accum
-        loss.backward()
+        with loss_context(cfg.loss_parallel):  # forward and backward, as torchtitan's
+            loss = loss_fn(model, x.to(env.device), y.to(env.device)) / accum
+            loss.backward()
         loss_sum += loss.detach()
     grad_norm = clip_gradients(model, cfg)
     try:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.cli import refusal
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 COUNTS = ("step_us", "optim_us", "python_calls", "optim_calls", "allocations")
 
@@ -57,9 +59,8 @@ def test_module_overhead_reports_the_blocks_at_two_sizes():
 
 
 def test_module_overhead_refuses_too_few_tokens_for_the_experts():
-    run = _run("module_overhead.py", "--model", "moe", "--groups", "8", "--tokens", "4")
-    assert run.returncode != 0
-    assert "--tokens 4 < --groups 8" in run.stderr.splitlines()[-1], run.stderr
+    last = refusal("module_overhead", "--model", "moe", "--groups", "8", "--tokens", "4")
+    assert "--tokens 4 < --groups 8" in last, last
 
 
 def test_step_profile_charges_every_category_per_rank():

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.cli import refusal
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TOY = ["--world-size", "2", "--steps", "1", "--dim", "64", "--moe-hidden", "32", "--layers", "2"]
 TOY += ["--vocab", "128", "--batch", "1", "--seq", "8", "--experts", "3"]
@@ -69,16 +71,14 @@ def test_moe_vs_fsdp2_refuses_an_ep_the_experts_or_world_cannot_take():
     for argv, message in (
         ((*TOY, "--ep", "2"), "--ep 2: expert parallelism: ep=2 does not divide n_experts=3"),
         ((*TOY[:-1], "4", "--ep", "4"), "--ep 4: expert parallelism: ep=4 does not divide the 2"),
+        ((*TOY, "--tp", "2"), "--tp 2 needs --ep: use benchmarks/tp_vs_fsdp2.py"),
+        ((*TOY[:-1], "4", "--ep", "2", "--tp", "2"), "--tp 2 does not divide model.n_heads=1"),
+        ((*TOY[:-1], "4", "--ep", "2", "--tp", "2", "--dim", "256"), "--ep 2 x --tp 2 does not"),
     ):
-        run = _run(*argv, timeout=60)
-        assert run.returncode != 0 and message in run.stderr.splitlines()[-1], run.stderr
+        last = refusal("moe_vs_fsdp2", *argv)
+        assert message in last, last
 
 
 def test_moe_vs_fsdp2_refuses_a_top_k_above_the_experts():
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "moe_vs_fsdp2.py"), *TOY, "--top-k", "4"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert run.returncode != 0 and "top_k=4" in run.stderr.splitlines()[-1], run.stderr
+    last = refusal("moe_vs_fsdp2", *TOY, "--top-k", "4")
+    assert "top_k=4" in last, last

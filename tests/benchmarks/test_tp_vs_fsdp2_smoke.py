@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmarks.cli import refusal
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TOY = ["--world-size", "4", "--tp", "2", "--steps", "1", "--dim", "64", "--layers", "2"]
 TOY += ["--heads", "4", "--kv-heads", "2", "--vocab", "128", "--batch", "1", "--seq", "8"]
@@ -78,11 +80,5 @@ def test_tp_vs_fsdp2_muon_runs_all_three_and_checks_them():
 
 
 def test_tp_vs_fsdp2_refuses_a_tp_the_heads_cannot_split():
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "tp_vs_fsdp2.py"), *TOY, "--kv-heads", "1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    last = run.stderr.splitlines()[-1]
-    assert run.returncode == 2 and "--tp 2 does not divide model.n_kv_heads=1" in last, run.stderr
+    last = refusal("tp_vs_fsdp2", *TOY, "--kv-heads", "1")
+    assert "--tp 2 does not divide model.n_kv_heads=1" in last, last

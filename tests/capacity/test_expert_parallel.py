@@ -5,6 +5,7 @@ presets, the old ``--mesh`` forms unchanged, and one-line refusals."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -225,16 +226,93 @@ def test_the_report_and_json_name_the_ep_dim(capsys) -> None:
     assert experts["segment_elements"] * 8 >= 16 * 2880 * (5760 + 2880)  # 16 experts over 8
 
 
-def test_ep_with_tp_splits_dense_weights_and_keeps_experts_whole() -> None:
+def test_ep_with_tp_splits_experts_on_d_ff() -> None:
+    """EP x TP (Qwen3-30B-A3B: 128 experts of d_ff 768, hidden 2048, 48 layers; ep 8, tp 2,
+    dp_shard 16): each EP rank's 16 experts keep half their d_ff, sharded over the 2
+    dp_shard_mod_ep ranks; the dense weights are TP's, the router whole."""
     est = estimate(load_model("qwen3-30b-a3b"), Settings(Mesh(1, 16, 2, 8), top_k=8))
     plans = {p.group.name: p for p in est.plans}
-    assert dict(plans["layer.experts"].group.tensors)["mlp.experts.up_proj.weight"] == (
-        16,
-        768,
-        2048,
-    )
-    assert dict(plans["layer"].group.tensors)["self_attn.q_proj.weight"] == (2048, 2048)
+    experts = dict(plans["layer.experts"].group.tensors)
+    assert experts["mlp.experts.up_proj.weight"] == (16, 384, 2048)
+    assert experts["mlp.experts.down_proj.weight"] == (16, 2048, 384)
+    dense = dict(plans["layer"].group.tensors)
+    assert dense["self_attn.q_proj.weight"] == (2048, 2048)
+    assert dense["mlp.gate.weight"] == (128, 2048)
     assert plans["layer.experts"].layout.world_size == 2
+    per_rank = 48 * 16 * 3 * 384 * 2048 / 2  # fp32 master elements
+    assert est.memory["expert_params"] == pytest.approx(4 * per_rank, rel=1e-3)
+    assert est.memory["expert_gathered"] == pytest.approx(2 * 16 * 3 * 384 * 2048, rel=1e-3)
+
+
+#: A parameter's global shape and its ``(mesh dim, Shard dim)`` pairs.
+Placed = tuple[tuple[int, ...], tuple[tuple[str, int], ...]]
+
+
+def _placed(p) -> Placed:
+    """``p``'s global shape and the mesh dims its ``Shard`` placements split (none: plain)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(p, DTensor):
+        return tuple(p.shape), ()
+    pairs = zip(p.device_mesh.mesh_dim_names, p.placements, strict=True)
+    return tuple(p.shape), tuple((m, pl.dim) for m, pl in pairs if isinstance(pl, Shard))
+
+
+def _recipe_placements(ep: int) -> dict[str, Placed]:
+    """A MoE block of the recipe (shared expert too) as TP rank 0 of tp 2 on the fake process
+    group, after ``apply_tp_to_block`` and, with ``ep``, ``distribute_experts`` on
+    ``mesh["ep", "tp"]``: each parameter's global shape and placements."""
+    from raggedfsdp.dry_run.world import fake_world
+    from recipes.llama.expert_parallel import distribute_experts, ep_meshes
+    from recipes.llama.moe import MoEBlock
+    from recipes.llama.moe_config import MoEConfig
+    from recipes.llama.tensor_parallel import apply_tp_to_block
+
+    cfg = MoEConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, n_experts=4, top_k=2)
+    cfg = dataclasses.replace(cfg, moe_hidden=24, n_shared_experts=1, n_dense_layers=0)
+    with fake_world(0, 4 * ep):
+        mesh, _ = ep_meshes(ep, world=4 * ep, tp=2)
+        block = MoEBlock(dataclasses.replace(cfg, expert_impl="loop"))
+        apply_tp_to_block(block, mesh["tp"])
+        if ep > 1:
+            distribute_experts(block, mesh["ep", "tp"])
+        return {name: _placed(p) for name, p in block.named_parameters()}
+
+
+def _verify_placements(recipe: dict[str, Placed], mesh: Mesh) -> dict[str, Placed]:
+    """The same tensors as ``--verify`` builds them (its ``Chain`` of the planner's local
+    model, on the recipe's meshes), as rank 0 on the fake process group."""
+    import torch
+
+    from raggedfsdp.capacity import verify
+    from raggedfsdp.dry_run.world import fake_world
+
+    group = {"name": "layer", "tensors": [[n, list(s)] for n, (s, _) in recipe.items()]}
+    model = parse_shapes({"name": "moe", "groups": [group]}, "recipe")
+    with fake_world(0, mesh.world_size):
+        meshes = verify.device_meshes(mesh)
+        chain = verify.Chain(verify.local_model(model, mesh), torch.float32, meshes, mesh)
+        return {name.split(".", 2)[2]: _placed(p) for name, p in chain.named_parameters()}
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_the_planners_placements_are_the_recipes(ep: int) -> None:
+    """Every parameter of the recipe's TP (and EP x TP) MoE block is split where the planner
+    splits it (``rank_splits``: the dims and the mesh dims; experts on d_ff, router whole,
+    the shared expert as a dense MLP) and where ``--verify`` builds it."""
+    from raggedfsdp.capacity.tp_plan import rank_splits
+
+    recipe = _recipe_placements(ep)
+    mesh = Mesh(1, 2 * ep, 2, ep)
+    planner = {}
+    for name, (shape, _) in recipe.items():
+        experts = ep > 1 and is_expert(name)
+        local = (shape[0] // ep, *shape[1:]) if experts else shape
+        splits = rank_splits(name, local, experts, mesh)[1]
+        planner[name] = (shape, tuple((m, d) for m, d, _ in splits))
+    assert planner == recipe
+    assert recipe["feed_forward.experts.w2"][1] == (("ep", 0), ("tp", 2))[2 - ep :]
+    assert _verify_placements(recipe, mesh) == recipe
 
 
 def test_ep_1_is_todays_plan() -> None:

@@ -75,9 +75,19 @@ def _layer(est):
         ("self_attn.kv_a_proj_with_mqa.weight", 2, None),  # torchtitan's NoParallel
         ("self_attn.kv_b_proj.weight", 2, 0),
         ("attention_norm.weight", 1, None),
-        ("mlp.gate.weight", 2, None),  # the router
-        ("mlp.experts.3.gate_proj.weight", 2, None),  # experts: not split by TP
-        ("mlp.experts.gate_up_proj", 3, None),
+        ("mlp.gate.weight", 2, None),  # the router: Replicate() (apply_tp_to_moe)
+        ("feed_forward.router.weight", 2, None),
+        ("mlp.shared_expert.down_proj.weight", 2, 1),
+        # fused experts on d_ff (apply_tp_to_moe): gate/up (E, d_ff, d), down (E, d, d_ff)
+        ("feed_forward.experts.w1", 3, 1),
+        ("feed_forward.experts.w3", 3, 1),
+        ("feed_forward.experts.w2", 3, 2),
+        ("mlp.experts.gate_up_proj", 3, 1),
+        ("mlp.experts.down_proj", 3, 2),
+        ("mlp.experts.gate_proj.weight", 3, 1),  # a per-expert stack, fused
+        ("mlp.experts.down_proj.weight", 3, 2),
+        ("mlp.experts.3.gate_proj.weight", 2, None),  # one expert: fused before the split
+        ("mlp.experts.gate_up_proj_bias", 2, None),  # expert biases: replicated
     ],
 )
 def test_torchtitans_plan_by_module_name(name: str, ndim: int, dim: int | None) -> None:
@@ -142,6 +152,28 @@ def test_the_report_names_the_tp_dim(capsys) -> None:
         assert needle in out, needle
 
 
+def test_tp_splits_moe_experts_on_d_ff(capsys) -> None:
+    """Qwen3-30B-A3B at tp 2, by its config (hidden 2048, 32 query and 4 key/value heads of
+    128, 128 experts of d_ff 768): attention halves, norms and the router stay whole, every
+    expert keeps half its d_ff, fused (E, d_ff, d) / (E, d, d_ff) as the recipe's."""
+    tp = estimate(load_model("qwen3-30b-a3b"), Settings(Mesh(1, 32, 2)))
+    layer = _layer(tp)
+    attention = (4096 * 2048 + 2 * 512 * 2048 + 2048 * 4096) // 2
+    whole = 2 * 128 + 2 * 2048 + 128 * 2048  # q/k norms, the two layer norms, the router
+    experts = 128 * 3 * (768 // 2) * 2048
+    assert layer.layout.numel == attention + whole + experts
+    tensors = dict(layer.group.tensors)
+    assert tensors["mlp.experts.gate_proj.weight"] == (128, 384, 2048)
+    assert tensors["mlp.experts.down_proj.weight"] == (128, 2048, 384)
+    assert tensors["mlp.gate.weight"] == (128, 2048)
+    # the gradients' reduce-scatter moves the TP-local layer: (W - 1) / W of it, fp32
+    plain = estimate(load_model("qwen3-30b-a3b"), Settings(Mesh(1, 32)))
+    assert tp.traffic["reduce_scatter"] < 0.51 * plain.traffic["reduce_scatter"]
+    notes = _json(capsys, "qwen3-30b-a3b", "--mesh", "1x32x2")["notes"]
+    assert any("144 of 144 expert tensors split on d_ff over the 2 TP ranks" in n for n in notes)
+    assert any("one tensor per expert is planned fused as (E, m, n)" in n for n in notes)
+
+
 # ----------------------------------------------------------------------------- notes
 def test_blocks_the_tp_split_cuts_are_noted(capsys) -> None:
     notes = " ".join(
@@ -152,9 +184,12 @@ def test_blocks_the_tp_split_cuts_are_noted(capsys) -> None:
     assert "'attention.wo.weight': the TP split Shard(dim=1) over 4 ranks cuts" in notes
     assert "'feed_forward.w2.weight'" in notes
     assert "'attention.wq.weight'" not in notes  # Shard(0): 32-row tiles stay whole
-    # flat 256-element blocks divide every TP block's runs: nothing is cut
-    flat = _json(capsys, "llama3-8b", "--mesh", "1x8x4", "--optimizer", "adamw8bit")
-    assert not any("the TP split" in note for note in flat["notes"])
+    # flat 256-element blocks of wo's global flat index cross its Shard(1) blocks: AdamW8bit
+    # refuses that at construction, so the planner does (tests/capacity/test_quantized_splits)
+    code, out, err = _run(capsys, "llama3-8b", "--mesh", "1x8x4", "--optimizer", "adamw8bit")
+    assert code == 2 and not out and err.count("\n") == 1
+    assert "--optimizer adamw8bit with --mesh 1x8x4: layer tensor 'attention.wo.weight'" in err
+    assert "quantize it in tiles (--tile RxC, cols dividing 1024)" in err
 
 
 def test_muon_owners_gather_over_dp_times_tp(capsys) -> None:
@@ -167,8 +202,8 @@ def test_muon_owners_gather_over_dp_times_tp(capsys) -> None:
     assert (
         moe["muon"]["matrices"]
         == _json(capsys, "qwen1.5-moe-a2.7b", "-w", "4", "--optimizer", "muon")["muon"]["matrices"]
-    )  # a TP-replicated expert counts once, though each TP rank updates it
-    assert any("expert tensors are not split by TP" in note for note in moe["notes"])
+    )  # each expert once, its TP blocks gathered on one owner
+    assert any("expert tensors split on d_ff over the 2 TP ranks" in n for n in moe["notes"])
 
 
 def test_tp_block_note_is_none_where_blocks_stay_whole() -> None:

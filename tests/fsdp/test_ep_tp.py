@@ -5,7 +5,8 @@ over ``dp_shard`` (``recipes/llama/expert_parallel.py``). The TP record holds bo
 (``TPShard.splits``). Given the same global gradients: AdamW bitwise ``torch.optim.AdamW``,
 Muon bitwise ``torch.optim.Muon`` per expert matrix, ``clip_grad_norm_`` over every dim the
 single-process norm; full and DCP state dicts in global coordinates (saved at ep 2 x tp 2,
-loaded into one process bitwise); optimizers that block along one split refuse in one line."""
+loaded into one process bitwise). Shampoo, SOAP and AdamW8bit on these experts:
+``test_ep_tp_optimizers.py``."""
 
 from __future__ import annotations
 
@@ -15,12 +16,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import raggedfsdp
-from raggedfsdp.optim import SOAP, AdamW, AdamW8bit, Muon, Shampoo
+from raggedfsdp.optim import AdamW, Muon
 from raggedfsdp.sharding.tp_shard import tp_of
-from recipes.llama.expert_parallel import distribute_experts, ep_meshes, shard_ep_block
-from recipes.llama.model_config import MoEConfig
-from recipes.llama.moe import MoEBlock, MoETransformer
-from recipes.llama.tensor_parallel import apply_tp_to_block, apply_tp_to_root
+from recipes.llama.moe import MoETransformer
+from tests.support.ep_steps import full_state, is_expert, set_grads, step_with, tiny_moe, wrap_ep
 
 W, EP, TP = 4, 2, 2
 E = 4
@@ -29,57 +28,18 @@ STEPS = 2
 
 
 def _model() -> MoETransformer:
-    cfg = MoEConfig(
-        dim=16,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=2,
-        n_experts=E,
-        top_k=2,
-        moe_hidden=8,
-        n_shared_experts=1,
-        n_dense_layers=0,
-        expert_impl="loop",
-    )
-    model = MoETransformer(cfg, seq_len=8)
-    model.init_weights(seed=3)
-    return model
+    return tiny_moe(E)
 
 
 def _wrapped(**kwargs) -> MoETransformer:
     """The TP plan, experts on (ep, tp), then the EP wrapping; ``kwargs`` go to every
     fully_shard call."""
-    model = _model()
-    mesh, dp = ep_meshes(EP, tp=TP)
-    for block in model.layers:
-        assert isinstance(block, MoEBlock)
-        apply_tp_to_block(block, mesh["tp"])
-    apply_tp_to_root(model, mesh["tp"])
-    distribute_experts(model, mesh["ep", "tp"])
-    for block in model.layers:
-        shard_ep_block(block, mesh, dp, **kwargs)
-    raggedfsdp.fully_shard(model, mesh=dp, **kwargs)
-    return model
+    return wrap_ep(_model(), EP, TP, **kwargs)
 
 
 def _gradients(seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {n: torch.randn(p.shape, generator=gen) for n, p in _model().named_parameters()}
-
-
-def _set_grads(named, grads: dict[str, torch.Tensor]) -> None:
-    for n, p in named:
-        p.grad = torch.empty_like(p).copy_(grads[n])  # this rank's piece (or all of it)
-
-
-def _step_with(named, grads: dict[str, torch.Tensor], opt) -> None:
-    for _ in range(STEPS):
-        _set_grads(named, grads)
-        opt.step()
-
-
-def _is_expert(name: str) -> bool:
-    return ".experts." in name
 
 
 # ----------------------------------------------------------------------------- the record
@@ -88,7 +48,7 @@ def _records() -> dict[str, tuple]:
     out = {}
     for n, p in model.named_parameters():
         tp = tp_of(p.ragged_shard)
-        if tp is not None and _is_expert(n):
+        if tp is not None and is_expert(n):
             out[n] = (tp.splits, tp.local_shape, tp.offsets, tp.size, tp.rank)
     return out
 
@@ -105,21 +65,12 @@ def test_experts_hold_both_splits(dist_pool):
 
 
 # ----------------------------------------------------------------------------- AdamW
-def _full_state(opt, named) -> dict[str, torch.Tensor]:
-    return {
-        f"{n}.{key}": value.full_tensor()
-        for n, p in named
-        for key, value in opt.state[p].items()
-        if key != "step"
-    }
-
-
 def _adamw(grads: dict) -> dict:
     model = _wrapped()
     named = list(model.named_parameters())
     opt = AdamW(named, lr=LR, weight_decay=0.1)
-    _step_with(named, grads, opt)
-    return {"params": {n: p.full_tensor() for n, p in named}, "state": _full_state(opt, named)}
+    step_with(named, grads, opt, STEPS)
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": full_state(opt, named)}
 
 
 def test_adamw_step_is_bitwise_torch(dist_pool):
@@ -127,7 +78,7 @@ def test_adamw_step_is_bitwise_torch(dist_pool):
     reference = _model()
     named = list(reference.named_parameters())
     opt = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=0.1, foreach=False)
-    _step_with(named, grads, opt)
+    step_with(named, grads, opt, STEPS)
     for result in dist_pool(W).run(_adamw, grads):
         for n, p in named:
             assert torch.equal(result["params"][n], p.detach()), n
@@ -139,9 +90,9 @@ def test_adamw_step_is_bitwise_torch(dist_pool):
 def _muon(grads: dict, whole: bool) -> dict:
     policy = {"shard_policy": Muon.shard_policy(whole_matrices=True)} if whole else {}
     model = _wrapped(**policy)
-    experts = [(n, p) for n, p in model.named_parameters() if _is_expert(n)]
+    experts = [(n, p) for n, p in model.named_parameters() if is_expert(n)]
     opt = Muon(experts, lr=LR, weight_decay=0.1)
-    _step_with(experts, grads, opt)
+    step_with(experts, grads, opt, STEPS)
     return {
         "params": {n: p.full_tensor() for n, p in experts},
         "momentum": {n: opt.state[p]["momentum_buffer"].full_tensor() for n, p in experts},
@@ -149,7 +100,7 @@ def _muon(grads: dict, whole: bool) -> dict:
 
 
 def _torch_muon_per_expert(grads: dict) -> tuple[dict, dict]:
-    fused = {n: p.detach() for n, p in _model().named_parameters() if _is_expert(n)}
+    fused = {n: p.detach() for n, p in _model().named_parameters() if is_expert(n)}
     matrices = {(n, e): nn.Parameter(w[e].clone()) for n, w in fused.items() for e in range(E)}
     opt = torch.optim.Muon(list(matrices.values()), lr=LR, weight_decay=0.1)
     for _ in range(STEPS):
@@ -180,7 +131,7 @@ def test_muon_orthogonalises_each_expert_from_its_tp_blocks(dist_pool, whole):
 def _clip(grads: dict, max_norm: float) -> dict:
     model = _wrapped()
     named = list(model.named_parameters())
-    _set_grads(named, grads)
+    set_grads(named, grads)
     norm = raggedfsdp.clip_grad_norm_(model.parameters(), max_norm)
     return {"norm": norm.item(), "grads": {n: p.grad.full_tensor() for n, p in named}}
 
@@ -190,7 +141,7 @@ def test_clip_grad_norm_covers_every_dim(dist_pool):
     each replicated one (norms, routers) once: the single-process norm."""
     grads = _gradients(11)
     reference = _model()
-    _set_grads(list(reference.named_parameters()), grads)
+    set_grads(list(reference.named_parameters()), grads)
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
     for result in dist_pool(W).run(_clip, grads, 1.0):
         assert result["norm"] == pytest.approx(want, rel=1e-6)
@@ -210,7 +161,7 @@ def _dcp_save(path: str, grads: dict) -> dict[str, torch.Tensor]:
     model = _wrapped()
     named = list(model.named_parameters())
     opt = AdamW(named, lr=LR)
-    _step_with(named, grads, opt)
+    step_with(named, grads, opt, STEPS)
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=path)
     return _params_and_moments(model, opt)
 
@@ -223,11 +174,7 @@ def _dcp_load(path: str, ep: int) -> dict[str, torch.Tensor]:
             raggedfsdp.fully_shard(block)
         raggedfsdp.fully_shard(model)
     else:
-        mesh, dp = ep_meshes(ep)
-        distribute_experts(model, mesh["ep"])
-        for block in model.layers:
-            shard_ep_block(block, mesh, dp)
-        raggedfsdp.fully_shard(model, mesh=dp)
+        wrap_ep(model, ep)
     named = list(model.named_parameters())
     opt = AdamW(named, lr=LR)
     state = {"model": model.state_dict(), "optim": opt.state_dict()}
@@ -248,41 +195,11 @@ def test_dcp_at_ep2_tp2_loads_at_ep1_tp1_and_one_process_bitwise(dist_pool, tmp_
                 assert torch.equal(loaded[name], value), (ep, name)
     reference = _model()
     named = list(reference.named_parameters())
-    _step_with(named, grads, torch.optim.AdamW([p for _, p in named], lr=LR, foreach=False))
+    opt = torch.optim.AdamW([p for _, p in named], lr=LR, foreach=False)
+    step_with(named, grads, opt, STEPS)
     single = {k: torch.zeros_like(v) for k, v in reference.state_dict().items()}
     dcp.load({"model": single}, checkpoint_id=path)
     for n, value in reference.state_dict().items():
         assert torch.equal(single[n], value), n
     for n, p in named:
         assert torch.equal(saved[n], p.detach()), n
-
-
-# ----------------------------------------------------------------------------- refusals
-def _refusal(name: str) -> str:
-    model = _wrapped()
-    experts = [(n, p) for n, p in model.named_parameters() if _is_expert(n)]
-    make = {
-        "adamw8bit": lambda: AdamW8bit(experts, lr=LR),
-        "shampoo": lambda: Shampoo(experts, lr=LR, max_preconditioner_dim=4),
-        "soap": lambda: SOAP(experts, lr=LR, max_preconditioner_dim=4),
-    }[name]
-    try:
-        make()
-    except ValueError as error:
-        return str(error)
-    raise AssertionError(f"{name} accepted EP x TP experts")
-
-
-@pytest.mark.parametrize("name", ["adamw8bit", "shampoo", "soap"])
-def test_optimizers_blocked_along_one_split_refuse_in_one_line(dist_pool, name):
-    for message in dist_pool(W).run(_refusal, name):
-        assert "\n" not in message, message
-        assert message.startswith(
-            "parameter 'layers.0.feed_forward.experts.w1' is split over "
-            "the 'ep' x 'tp' mesh dims ((Shard(dim=0), Shard(dim=1)) over "
-            "2 x 2 ranks)"
-        ), message
-        assert (
-            "give it to AdamW or Muon" in message
-            and "or split it on one of ('ep', 'tp') only" in message
-        ), message

@@ -15,9 +15,8 @@ from torch import nn
 
 import raggedfsdp
 from raggedfsdp.optim import SOAP, AdamW, AdamW8bit, Muon, Shampoo
-from recipes.llama.expert_parallel import distribute_experts, ep_meshes, shard_ep_block
-from recipes.llama.model_config import MoEConfig
-from recipes.llama.moe import MoEBlock, MoETransformer
+from recipes.llama.moe import MoETransformer
+from tests.support.ep_steps import full_state, is_expert, set_grads, step_with, tiny_moe, wrap_ep
 
 W = 4
 E = 8
@@ -32,34 +31,13 @@ def _ids(dims: tuple[int, int]) -> str:
 
 
 def _model() -> MoETransformer:
-    cfg = MoEConfig(
-        dim=32,
-        n_layers=2,
-        n_heads=2,
-        n_kv_heads=2,
-        n_experts=E,
-        top_k=2,
-        moe_hidden=24,
-        n_shared_experts=1,
-        n_dense_layers=0,
-        expert_impl="loop",
-    )
-    model = MoETransformer(cfg, seq_len=8)
-    model.init_weights(seed=3)
-    return model
+    return tiny_moe(E, dim=32, moe_hidden=24)
 
 
 def _wrapped(ep: int, **kwargs) -> MoETransformer:
     """Experts over ep and dp_shard_mod_ep, the rest over every rank; ``kwargs`` (the
     optimizer's shard policy) go to every fully_shard call."""
-    model = _model()
-    mesh, dp = ep_meshes(ep)
-    distribute_experts(model, mesh["ep"])
-    for block in model.layers:
-        assert isinstance(block, MoEBlock)
-        shard_ep_block(block, mesh, dp, **kwargs)
-    raggedfsdp.fully_shard(model, mesh=dp, **kwargs)
-    return model
+    return wrap_ep(_model(), ep, **kwargs)
 
 
 def _gradients(seed: int) -> dict[str, torch.Tensor]:
@@ -67,42 +45,13 @@ def _gradients(seed: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(p.shape, generator=gen) for n, p in _model().named_parameters()}
 
 
-def _set_grads(named, grads: dict[str, torch.Tensor]) -> None:
-    for n, p in named:
-        p.grad = torch.empty_like(p).copy_(grads[n])  # this rank's piece (or all of it)
-
-
-def _step_with(named, grads: dict[str, torch.Tensor], opt) -> None:
-    for _ in range(STEPS):
-        _set_grads(named, grads)
-        opt.step()
-
-
-def _full(value):
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def _full_state(opt, named) -> dict[str, torch.Tensor]:
-    """Every state tensor but the step counters, gathered whole (global coordinates)."""
-    return {
-        f"{n}.{key}": _full(value)
-        for n, p in named
-        for key, value in opt.state[p].items()
-        if key != "step"
-    }
-
-
-def _is_expert(name: str) -> bool:
-    return ".experts." in name
-
-
 # ----------------------------------------------------------------------------- AdamW
 def _adamw_on_ep(dims: tuple[int, int], grads: dict) -> dict:
     model = _wrapped(dims[1])
     named = list(model.named_parameters())
     opt = AdamW(named, lr=LR, weight_decay=0.1)
-    _step_with(named, grads, opt)
-    return {"params": {n: p.full_tensor() for n, p in named}, "state": _full_state(opt, named)}
+    step_with(named, grads, opt, STEPS)
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": full_state(opt, named)}
 
 
 @pytest.mark.parametrize("dims", DIMS, ids=_ids)
@@ -111,7 +60,7 @@ def test_adamw_step_is_bitwise_torch_on_ep_parameters(dist_pool, dims):
     reference = _model()
     named = list(reference.named_parameters())
     opt = torch.optim.AdamW([p for _, p in named], lr=LR, weight_decay=0.1, foreach=False)
-    _step_with(named, grads, opt)
+    step_with(named, grads, opt, STEPS)
     for result in dist_pool(W).run(_adamw_on_ep, dims, grads):
         for n, p in named:
             assert torch.equal(result["params"][n], p.detach()), n
@@ -123,9 +72,9 @@ def test_adamw_step_is_bitwise_torch_on_ep_parameters(dist_pool, dims):
 def _muon_on_ep(dims: tuple[int, int], grads: dict, whole: bool) -> dict:
     policy = {"shard_policy": Muon.shard_policy(whole_matrices=True)} if whole else {}
     model = _wrapped(dims[1], **policy)
-    experts = [(n, p) for n, p in model.named_parameters() if _is_expert(n)]
+    experts = [(n, p) for n, p in model.named_parameters() if is_expert(n)]
     opt = Muon(experts, lr=LR, weight_decay=0.1)
-    _step_with(experts, grads, opt)
+    step_with(experts, grads, opt, STEPS)
     stats = opt.last_step_stats
     return {
         "params": {n: p.full_tensor() for n, p in experts},
@@ -138,7 +87,7 @@ def _muon_on_ep(dims: tuple[int, int], grads: dict, whole: bool) -> dict:
 def _torch_muon_per_expert(grads: dict) -> tuple[dict, dict]:
     """torch.optim.Muon with every expert matrix of every fused tensor as its own parameter:
     the stacked weights and momenta after the steps."""
-    fused = {n: p.detach() for n, p in _model().named_parameters() if _is_expert(n)}
+    fused = {n: p.detach() for n, p in _model().named_parameters() if is_expert(n)}
     matrices = {(n, e): nn.Parameter(w[e].clone()) for n, w in fused.items() for e in range(E)}
     opt = torch.optim.Muon(list(matrices.values()), lr=LR, weight_decay=0.1)
     for _ in range(STEPS):
@@ -183,8 +132,8 @@ def _blocked_on_ep(dims: tuple[int, int], grads: dict, name: str) -> dict:
     model = _wrapped(dims[1], shard_policy=cls.shard_policy(max_preconditioner_dim=BLOCK))
     named = list(model.named_parameters())
     opt = cls(named, **_blocked_options(name))
-    _step_with(named, grads, opt)
-    return {"params": {n: p.full_tensor() for n, p in named}, "state": _full_state(opt, named)}
+    step_with(named, grads, opt, STEPS)
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": full_state(opt, named)}
 
 
 @pytest.mark.parametrize("name", BLOCKED)
@@ -196,9 +145,9 @@ def test_blocked_step_equals_one_process_on_ep_parameters(dist_pool, dims, name)
     reference = _model()
     named = list(reference.named_parameters())
     opt = BLOCKED[name](named, **_blocked_options(name))
-    _step_with(named, grads, opt)
-    expected = _full_state(opt, named)
-    assert any(_is_expert(key) for key in expected)
+    step_with(named, grads, opt, STEPS)
+    expected = full_state(opt, named)
+    assert any(is_expert(key) for key in expected)
     for result in dist_pool(W).run(_blocked_on_ep, dims, grads, name):
         for n, p in named:
             assert torch.equal(result["params"][n], p.detach()), n
@@ -217,8 +166,8 @@ def _adamw8bit_on_ep(dims: tuple[int, int], grads: dict, config: dict) -> dict:
     model = _wrapped(dims[1], shard_policy=AdamW8bit.shard_policy(**keys))
     named = list(model.named_parameters())
     opt = AdamW8bit(named, **EIGHT_BIT, **config)
-    _step_with(named, grads, opt)
-    return {"params": {n: p.full_tensor() for n, p in named}, "state": _full_state(opt, named)}
+    step_with(named, grads, opt, STEPS)
+    return {"params": {n: p.full_tensor() for n, p in named}, "state": full_state(opt, named)}
 
 
 @pytest.mark.parametrize("config", CONFIGS_8BIT)
@@ -232,9 +181,9 @@ def test_adamw8bit_blocks_never_cross_experts(dist_pool, dims, config):
     reference = _model()
     named = list(reference.named_parameters())
     opt = AdamW8bit(named, **EIGHT_BIT, **options)
-    _step_with(named, grads, opt)
-    expected = _full_state(opt, named)
-    assert any(_is_expert(k) and k.endswith("_absmax") for k in expected)  # 8-bit experts
+    step_with(named, grads, opt, STEPS)
+    expected = full_state(opt, named)
+    assert any(is_expert(k) and k.endswith("_absmax") for k in expected)  # 8-bit experts
     for result in dist_pool(W).run(_adamw8bit_on_ep, dims, grads, options):
         for n, p in named:
             assert torch.equal(result["params"][n], p.detach()), n
@@ -247,7 +196,7 @@ def test_adamw8bit_blocks_never_cross_experts(dist_pool, dims, config):
 def _clip_on_ep(dims: tuple[int, int], grads: dict, max_norm: float) -> dict:
     model = _wrapped(dims[1])
     named = list(model.named_parameters())
-    _set_grads(named, grads)
+    set_grads(named, grads)
     norm = raggedfsdp.clip_grad_norm_(model.parameters(), max_norm)
     return {"norm": norm.item(), "grads": {n: p.grad.full_tensor() for n, p in named}}
 
@@ -259,7 +208,7 @@ def test_clip_grad_norm_covers_dp_and_ep(dist_pool, dims):
     gradients scaled by it."""
     grads = _gradients(11)
     reference = _model()
-    _set_grads(list(reference.named_parameters()), grads)
+    set_grads(list(reference.named_parameters()), grads)
     want = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0).item()
     for result in dist_pool(W).run(_clip_on_ep, dims, grads, 1.0):
         assert result["norm"] == pytest.approx(want, rel=1e-6)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 
 import pytest
 
@@ -52,8 +53,8 @@ def _reports(case: str, steps: int) -> dict[str, recipe_dry_run.StepReport]:
 
 
 @pytest.mark.parametrize("case", ["gpt_oss_small", "dense"])
-def test_steady_step_peaks_are_at_most_fsdp2s(case: str) -> None:
-    reports = _reports(case, steps=2)
+def test_steady_step_peaks_are_at_most_fsdp2s(steady, case: str) -> None:
+    reports, _ = steady(case)
     ours, theirs = reports["raggedfsdp"], reports["fsdp2"]
     # no more shards, state or gathered bytes (FSDP2 pads a little more): the peaks differ by
     # the schedule
@@ -77,15 +78,19 @@ def _gathered(group: object) -> bool:
     return bool(group.is_unsharded or in_flight is not None)
 
 
-def _most_gathered_at_once(case: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, dict]:
-    """Per runtime, the most groups gathered (or gathering) at once in forward and in backward,
-    counted after every ``unshard`` of the steady step's schedule."""
+def _steady_run(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]:
+    """Per runtime, the steady step's report, and the most groups gathered (or gathering) at
+    once in forward and in backward, counted after every ``unshard`` of its schedule. The count
+    holds no tensor (a weak set of groups), so the report is the uncounted run's."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from raggedfsdp.fsdp.param_group import ParamGroup
     from raggedfsdp.fsdp.state import in_backward
 
     most: dict[str, dict[str, int]] = {}
+    reports = {}
     for fsdp, cls in (("raggedfsdp", ParamGroup), ("fsdp2", FSDPParamGroup)):
         seen: weakref.WeakSet = weakref.WeakSet()
         counts = most.setdefault(fsdp, {"forward": 0, "backward": 0})
@@ -98,19 +103,35 @@ def _most_gathered_at_once(case: str, monkeypatch: pytest.MonkeyPatch) -> dict[s
             _counts[phase] = max(_counts[phase], sum(_gathered(g) for g in _seen))
 
         monkeypatch.setattr(cls, "unshard", unshard)
-        recipe_dry_run.run(_cfg(case, fsdp), recipe_dry_run.DryRun(0, WORLD, "fake"), steps=2)
-    return most
+        request = recipe_dry_run.DryRun(0, WORLD, "fake")
+        reports[fsdp] = recipe_dry_run.run(_cfg(case, fsdp), request, steps=2)
+    return reports, most
+
+
+@pytest.fixture(scope="module")
+def steady() -> Callable[[str], tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]]:
+    """``_steady_run`` of a case, run once for both tests that read it (a dry run per runtime
+    is the cost of this module)."""
+    runs: dict[str, tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]] = {}
+
+    def get(case: str) -> tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]:
+        if case not in runs:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                runs[case] = _steady_run(case, monkeypatch)
+        return runs[case]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["gpt_oss_small", "dense"])
-def test_prefetch_depth_is_fsdp2s(case: str, monkeypatch) -> None:
+def test_prefetch_depth_is_fsdp2s(steady, case: str) -> None:
     """The schedule itself, not bytes. Backward: no more groups at once than FSDP2 (the
     running one and one prefetched). Forward: one more, the next group we prefetch explicitly;
     FSDP2 issues that all-gather when the CPU, running ahead of the GPU, reaches the next
     module, which a synchronous CPU count does not see. By bytes our forward peak is still
     below FSDP2's, whose copy-out holds the gathered buffer and per-parameter copies at once."""
-    most = _most_gathered_at_once(case, monkeypatch)
+    _, most = steady(case)
     ours, theirs = most["raggedfsdp"], most["fsdp2"]
     assert ours["forward"] <= theirs["forward"] + 1, most
     assert ours["backward"] <= theirs["backward"], most

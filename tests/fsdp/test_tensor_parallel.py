@@ -5,6 +5,7 @@ boxes); optimizers and clipping on TP parameters; the refusals."""
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 
@@ -64,7 +65,10 @@ def _train(model, opt, index: int, size: int, steps: int = STEPS, clip=None) -> 
     return losses
 
 
+@functools.cache
 def _single(steps: int = STEPS, clip=None) -> tuple[list[float], dict]:
+    """One process's losses and weights: the reference of every mesh, computed once per
+    ``(steps, clip)`` (the tests only read it)."""
     model = make_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses = []

@@ -7,6 +7,7 @@ resharding, bad input."""
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import pytest
@@ -208,6 +209,13 @@ def _train(mode: str, config: dict, steps: int = 5) -> tuple[dict, list[dict]]:
     return train_on_layout(SOAP, block, SHAPES, BASE, mode, config, steps)
 
 
+@functools.cache
+def _single(config: str) -> tuple[dict, list[dict]]:
+    """One process's run of ``CONFIGS[config]``: the reference of every mode and world size,
+    computed once (the tests only read it)."""
+    return _train("single", CONFIGS[config])
+
+
 def _norm_entries(config: dict) -> int:
     """Entries of normalize_grads' all-reduce: one per slab, one per tensor not preconditioned."""
     c = {**BASE, **config}
@@ -237,7 +245,7 @@ def test_every_world_size_equals_one_process_bitwise(pool, mode, config):
     """Parameters and every state tensor bitwise equal to one process at W = 1..4 (bases
     refreshed twice on the way); no optimizer byte moves unless the layout cuts blocks (or,
     with normalize_grads, the per-slab sums of squares: one float64 all-reduce)."""
-    expected, single_stats = _train("single", CONFIGS[config])
+    expected, single_stats = _single(config)
     results = pool.run(_train, mode, CONFIGS[config])
     for rank, (result, _) in enumerate(results):
         assert result.keys() == expected.keys()

@@ -8,6 +8,8 @@ one process, FSDP2 and activation checkpointing)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import shutil
 
 import pytest
@@ -20,7 +22,7 @@ from recipes.llama.config import parse_args
 from recipes.llama.expert_parallel import distribute_experts, ep_meshes
 from recipes.llama.model import rope_table
 from recipes.llama.model_config import MoEConfig
-from recipes.llama.moe import MoEBlock
+from recipes.llama.moe import MoEBlock, MoETransformer
 from recipes.llama.parallel import distributed
 from recipes.llama.tensor_parallel import apply_tp_to_block
 from recipes.llama.train import train
@@ -257,14 +259,14 @@ def test_fsdp2_and_activation_checkpointing_at_ep2_tp2_train_as_one_process(
 
 @pytest.mark.parametrize("optimizer", ["muon", "adamw8bit", "shampoo", "soap"])
 def test_every_optimizer_trains_or_refuses_at_ep2_tp2(dist_pool, data_dir, tmp_path, optimizer):
-    """Muon trains (each expert assembled from its EP rank's TP blocks); the optimizers that
-    lay blocks along one split refuse, while they are built, the experts on (ep, tp) (or a
-    dense TP weight before them whose split cuts their blocks): one line from rank 0 naming
-    the fix."""
+    """Muon (each expert assembled from its EP rank's TP blocks), Shampoo and SOAP (each
+    global slab on an owner over ep x tp) train; AdamW8bit refuses, while it is built, a
+    dense TP weight whose split cuts its blocks or experts whose d_ff split interleaves them:
+    one line from rank 0 naming the fix."""
     extra = ["--ep", "2", "--tp", "2", "--optimizer", optimizer, "--steps", "2"]
     extra += ["--checkpoint-every", "0", "--eval-every", "0", "--preconditioner-dim", "8"]
     results = dist_pool(4).run(run_main, _moe_args(data_dir, tmp_path / optimizer, *extra))
-    if optimizer == "muon":
+    if optimizer != "adamw8bit":
         assert [r[0] for r in results] == [0] * 4, results
         return
     err = results[0][2]
@@ -273,3 +275,107 @@ def test_every_optimizer_trains_or_refuses_at_ep2_tp2(dist_pool, data_dir, tmp_p
     # the first parameter refused: a dense TP one whose split cuts 8-bit blocks, or experts
     assert " split over the 'tp' mesh dim " in err or "'ep' x 'tp' mesh dims" in err, err
     assert "AdamW" in err, err  # the fix: give it to AdamW (or Muon), or change the split
+
+
+# ----------------------------------------------------------------------------- HSDP x EP x TP
+# (dp_replicate 2 x dp_shard_mod_ep 1 x ep 2 x tp 2) needs 8 ranks: W=4 holds no layout with
+# all three above 1, so it runs as each of 8 ranks on the fake process group (a dry run).
+HSDP_EP_TP = ["--dp-replicate", "2", "--ep", "2", "--tp", "2"]
+TINY_STEP = ["--seq-len", "16", "--micro-batch-size", "1"]  # a dry run's step: set-up dominates
+
+
+def _dry_run(argv: list[str], rank: int, world: int) -> dict:
+    """moe_tiny's dry run as ``rank`` of ``world`` (two steps: the report's is the steady
+    second, without the first's one-off checks): its report, its mesh's groups, every
+    parameter's piece (TP block shape, local elements, shard group size) and the element
+    count of every group's gradient segment."""
+    from unittest import mock
+
+    from recipes.llama import dry_run, parallel
+    from recipes.llama.expert_parallel import expert_dp_mesh
+
+    built: dict = {}
+    build_model = parallel.build_model
+
+    def capture(cfg, env, policy):  # inside the fake world: the mesh can be read
+        mesh = env.ep_mesh
+        built["groups"] = {
+            "coordinate": tuple(mesh.get_coordinate()),
+            "shape": env.mesh_shape(),
+            "dp": env.mesh.mesh.tolist(),
+            "experts_dp": expert_dp_mesh(mesh).mesh.tolist(),
+            "ep_tp": mesh["ep", "tp"].mesh.tolist(),
+        }
+        built["model"] = build_model(cfg, env, policy)
+        return built["model"]
+
+    cfg = parse_args(["--config", "moe_tiny", "--run-dir", "/tmp/moe-tiny-dry-run", *argv])
+    with mock.patch.object(parallel, "build_model", capture):
+        report = dataclasses.asdict(dry_run.run(cfg, dry_run.DryRun(rank, world, "fake")))
+    model, groups = built["model"], built["groups"]
+    pieces = {
+        name: (p.ragged_shard.shape, p.local.numel(), len(p.ragged_shard.units_per_rank))
+        for name, p in model.named_parameters()
+    }
+    groups_once = {id(g): g for m in model.modules() for g in _groups_of(m)}  # shared states
+    segments = [g.layout.segment_size for g in groups_once.values()]
+    return {"report": report, "groups": groups, "pieces": pieces, "segments": segments}
+
+
+def _groups_of(module: torch.nn.Module) -> list:
+    """The fully_shard parameter groups ``module`` owns (none if it is not wrapped)."""
+    return module._fsdp_state().groups if hasattr(module, "_fsdp_state") else []
+
+
+@pytest.mark.slow  # ~10-20 s on 2 shared cores: eight dry runs, about 1-3 s each
+def test_moe_tiny_at_hsdp2_ep2_tp2_dry_runs_as_its_ranks() -> None:
+    """Ranks of (dp_replicate 2 x dp_shard_mod_ep 1 x ep 2 x tp 2) build and step: the first
+    replica's four (every (ep, tp) coordinate) and two of the second's (4 and 7, opposite
+    corners); rank r at (r // 4, 0, r // 2 % 2, r % 2); each expert tensor's (E / ep,
+    d_ff / tp) block held whole (total / (ep * tp * dp_shard_mod_ep)); each dense TP block
+    (norms and router replicated on tp) split over the 2 dp_shard ranks; the replicas hold the
+    same pieces with the same figures; against the same rank at (ep 2 x tp 2), W=4, the same
+    parameter, gradient and optimizer bytes and all-gather, reduce-scatter and all-to-all
+    bytes, plus the replicas' all-reduce of every group's gradient segment (fp32)."""
+    ranks = {r: _dry_run([*HSDP_EP_TP, *TINY_STEP], r, 8) for r in (0, 1, 2, 3, 4, 7)}
+    cfg = parse_args(["--config", "moe_tiny"]).model
+    ep, tp, experts = 2, 2, cfg.n_experts
+    with torch.device("meta"):  # the unsharded model's element counts
+        numels = {n: p.numel() for n, p in MoETransformer(cfg, 8).named_parameters()}
+    for rank, got in ranks.items():
+        rep, e, t = rank // 4, rank // 2 % 2, rank % 2
+        assert got["groups"] == {
+            "coordinate": (rep, 0, e, t),
+            "shape": {"dp_replicate": 2, "dp_shard_mod_ep": 1, "ep": 2, "tp": 2},
+            "dp": [[t, 2 + t], [4 + t, 6 + t]],
+            "experts_dp": [[rank % 4], [rank % 4 + 4]],
+            "ep_tp": [[4 * rep, 4 * rep + 1], [4 * rep + 2, 4 * rep + 3]],
+        }, rank
+        pair = ranks[(rank ^ 2) % 4]["pieces"]  # the other dp_shard rank's (as in replica 0)
+        for name, (block, local, shards) in got["pieces"].items():
+            whole = math.prod(block)
+            if ".experts." in name:
+                hidden = (cfg.moe_hidden // tp, cfg.dim)
+                assert block == (experts // ep, *(hidden[::-1] if name.endswith("w2") else hidden))
+                assert (local, shards) == (whole, 1), name
+                continue
+            replicated = name.endswith(("norm.weight", "router.weight"))
+            assert shards == 2 and local + pair[name][1] == whole, name
+            assert whole * (1 if replicated else tp) == numels[name], name
+        report = got["report"]
+        assert report["params"] == report["grads"] == 4 * sum(p[1] for p in got["pieces"].values())
+        mirror = ranks[rank % 4]  # the same coordinate in the first replica
+        assert got["pieces"] == mirror["pieces"], rank
+        assert _figures(report) == _figures(mirror["report"]), rank
+    for rank in (0, 3):
+        hsdp, plain = ranks[rank], _dry_run([*HSDP_EP_TP[2:], *TINY_STEP], rank, 4)
+        same = ("params", "grads", "optimizer", "all_gather", "reduce_scatter", "all_to_all")
+        assert {k: hsdp["report"][k] for k in same} == {k: plain["report"][k] for k in same}
+        added = hsdp["report"]["all_reduce"] - plain["report"]["all_reduce"]
+        assert hsdp["segments"] == plain["segments"] and added == 4 * sum(hsdp["segments"]), rank
+        assert added == hsdp["report"]["grads"], rank  # no padding: the segments are the shards
+
+
+def _figures(report: dict) -> dict:
+    """A dry run's memory and traffic figures (not its rank or timing)."""
+    return {k: v for k, v in report.items() if k not in ("rank", "setup_s")}

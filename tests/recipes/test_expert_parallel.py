@@ -6,6 +6,9 @@ whole experts; DCP across EP changes; the refusals."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -234,19 +237,40 @@ def _train_on_ep(
     return {"losses": losses, "weights": weights, "bias": bias, "placements": placements}
 
 
+def _reference(ep: int, n_experts: int = E) -> tuple[MoETransformer, list[float]]:
+    """One process's model (the last EP rank's experts starved, as ``_wrap_ep`` does) after
+    ``STEPS`` steps, and its losses."""
+    model = _model(n_experts=n_experts)
+    _starve_last(model.layers[0].feed_forward, ep)
+    return model, _train(model, torch.optim.AdamW(model.parameters(), lr=LR), None)
+
+
+@pytest.fixture(scope="module")
+def trained(dist_pool) -> Callable[..., Any]:
+    """``trained(fn, *args)``: ``fn(*args)`` (``_reference`` in this process, ``_train_on_ep``
+    on the W-rank pool), computed once for the module: the training test and the FSDP2 test
+    compare with the same runs of ours and of one process."""
+    cache: dict[tuple, Any] = {}
+
+    def get(fn: Callable[..., Any], *args: Any) -> Any:
+        if (fn, *args) not in cache:
+            cache[(fn, *args)] = fn(*args) if fn is _reference else dist_pool(W).run(fn, *args)
+        return cache[(fn, *args)]
+
+    return get
+
+
 @pytest.mark.parametrize(
     ("dims", "ac"),
     [(DIMS[0], False), (DIMS[1], False), (DIMS[0], True), (HSDP, False)],
     ids=_ids,
 )
-def test_training_matches_one_process(dist_pool, dims, ac):
+def test_training_matches_one_process(trained, dims, ac):
     """With activation checkpointing the recomputed forward dispatches again (the same
     counts and routes); the reference runs without it. HSDP x EP: the experts reduce-scatter
     over dp_shard_mod_ep and all-reduce over dp_replicate, the dense weights as HSDP."""
-    model = _model()
-    _starve_last(model.layers[0].feed_forward, dims[-1])
-    expected = _train(model, torch.optim.AdamW(model.parameters(), lr=LR), None)
-    for got in dist_pool(W).run(_train_on_ep, dims, ac):
+    model, expected = trained(_reference, dims[-1])
+    for got in trained(_train_on_ep, dims, ac, False, E):
         assert max(abs(a - b) for a, b in zip(got["losses"], expected, strict=True)) < 1e-5
         for name, p in model.named_parameters():
             assert got["weights"][name].shape == p.shape, name
@@ -263,15 +287,13 @@ def test_training_matches_one_process(dist_pool, dims, ac):
     [(DIMS[0], E), (DIMS[1], E), (HSDP, E), (DIMS[0], 2)],
     ids=["dp2xep2", "dp1xep4", "rep2xdp1xep2", "dp2xep2-2experts"],
 )
-def test_fsdp2_x_ep_matches_ours_and_one_process(dist_pool, dims, experts):
+def test_fsdp2_x_ep_matches_ours_and_one_process(dist_pool, trained, dims, experts):
     """torch's fully_shard on the experts over dp_shard_mod_ep (``shard_ep_block_fsdp2``),
     HSDP over (dp_replicate, dp_shard_mod_ep) at (2, 1, 2): both train as one process (and the
     training test above checks ours alone, HSDP x EP included). With 2 experts at (2, 2) an EP
     rank's one expert is split on dim 1 over dp_shard_mod_ep (torchtitan's rule)."""
-    model = _model(n_experts=experts)
-    _starve_last(model.layers[0].feed_forward, dims[-1])
-    expected = _train(model, torch.optim.AdamW(model.parameters(), lr=LR), None)
-    ours = dist_pool(W).run(_train_on_ep, dims, False, False, experts)
+    model, expected = trained(_reference, dims[-1], experts)
+    ours = trained(_train_on_ep, dims, False, False, experts)
     fsdp2 = dist_pool(W).run(_train_on_ep, dims, False, True, experts)
     assert ("Shard(dim=1)" in fsdp2[0]["placements"]) == (experts == 2), fsdp2[0]["placements"]
     for got, mine in zip(fsdp2, ours, strict=True):

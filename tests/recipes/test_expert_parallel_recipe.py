@@ -148,17 +148,27 @@ def test_ep2_with_bf16_and_activation_checkpointing(dist_pool, data_dir, tmp_pat
     assert list(losses) == [1, 2, 3, 4] and losses[4] < losses[1] - 0.5
 
 
-def test_dp2_ep2_trains_as_ep1_at_w4(dist_pool, data_dir, tmp_path):
+W4_STEPS = ["--steps", "4", "--checkpoint-every", "0"]
+
+
+@pytest.fixture(scope="module")
+def ep1_w4(dist_pool, data_dir, tmp_path_factory) -> dict[str, Any]:
+    """Rank 0's record of the 4-step ep 1 run at W=4 that every W=4 EP layout is compared
+    with, trained once for the module."""
+    run_dir = tmp_path_factory.mktemp("ep1-w4") / "run"
+    argv = moe_args(data_dir, run_dir, *W4_STEPS)
+    return dist_pool(4).run(_train_recording, argv, timeout=240)[0]
+
+
+def test_dp2_ep2_trains_as_ep1_at_w4(dist_pool, data_dir, tmp_path, ep1_w4):
     """(dp_shard_mod_ep 2, ep 2): each EP rank's experts also sharded over 2 ranks."""
-    extra = ["--steps", "4", "--checkpoint-every", "0"]
-    plain = dist_pool(4).run(
-        _train_recording, moe_args(data_dir, tmp_path / "ep1", *extra), timeout=240
-    )[0]
+    plain = ep1_w4
     ours = dist_pool(4).run(
-        _train_recording, moe_args(data_dir, tmp_path / "ep2", "--ep", "2", *extra), timeout=240
+        _train_recording, moe_args(data_dir, tmp_path / "ep2", "--ep", "2", *W4_STEPS), timeout=240
     )
     assert ours[0]["mesh"] == {"dp_shard_mod_ep": 2, "ep": 2}
     assert [r["dp"] for r in ours] == [(rank, 4) for rank in range(4)]
+    assert list(ours[0]["losses"]) == list(plain["losses"]) == [1, 2, 3, 4]
     for step, loss in ours[0]["losses"].items():
         assert abs(loss - plain["losses"][step]) < EP_TOLERANCE, (step, loss, plain["losses"])
         norm, ref_norm = ours[0]["norms"][step], plain["norms"][step]
@@ -166,14 +176,11 @@ def test_dp2_ep2_trains_as_ep1_at_w4(dist_pool, data_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_fsdp2_and_hsdp_with_ep_train_as_ep1_at_w4(dist_pool, data_dir, tmp_path):
+def test_fsdp2_and_hsdp_with_ep_train_as_ep1_at_w4(dist_pool, data_dir, tmp_path, ep1_w4):
     """``--fsdp fsdp2 --ep 2`` (torchtitan's FSDP2 x EP: ``shard_ep_block_fsdp2``) and HSDP x
     EP (``--dp-replicate 2 --ep 2``: experts reduce-scattered over dp_shard_mod_ep, all-reduced
     over dp_replicate) with both FSDPs, each within 1e-5 of ep 1 at W=4, losses and norms."""
-    extra = ["--steps", "4", "--checkpoint-every", "0", "--eval-every", "0"]
-    plain = dist_pool(4).run(
-        _train_recording, moe_args(data_dir, tmp_path / "ep1", *extra), timeout=240
-    )[0]
+    extra, plain = W4_STEPS, ep1_w4
     runs = {
         "fsdp2": (["--fsdp", "fsdp2"], {"dp_shard_mod_ep": 2, "ep": 2}),
         "hsdp": (["--dp-replicate", "2"], {"dp_replicate": 2, "dp_shard_mod_ep": 1, "ep": 2}),
@@ -194,18 +201,23 @@ def test_fsdp2_and_hsdp_with_ep_train_as_ep1_at_w4(dist_pool, data_dir, tmp_path
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_checkpoints_resume_across_ep2_and_ep1(dist_pool, data_dir, tmp_path, optimizer):
+def test_checkpoints_resume_across_ep2_and_ep1(
+    dist_pool, data_dir, tmp_path, moe_w2_run, optimizer
+):
     """Saved at ep 2 (W=2) and resumed at ep 1 (W=2), and the reverse: the rest of the run
     within 1e-5 of the run that went straight on (DCP boxes are global; Muon within what plain
-    FSDP shows across world sizes)."""
+    FSDP shows across world sizes). AdamW at ep 1 is the session's plain moe_tiny run."""
     straight: dict[int, Any] = {}
     for ep in (1, 2):
         run_dir = tmp_path / f"ep{ep}"
-        straight[ep] = dist_pool(2).run(
-            run_train,
-            moe_args(data_dir, run_dir, "--ep", str(ep), "--optimizer", optimizer),
-            timeout=180,
-        )[0]
+        if ep == 1 and optimizer == "adamw":  # the same command line
+            straight[ep], run_dir = moe_w2_run
+        else:
+            straight[ep] = dist_pool(2).run(
+                run_train,
+                moe_args(data_dir, run_dir, "--ep", str(ep), "--optimizer", optimizer),
+                timeout=180,
+            )[0]
         shutil.copytree(run_dir / "checkpoints" / "step_00000004", tmp_path / f"saved-ep{ep}")
     for saved_ep, resume_ep in ((2, 1), (1, 2)):
         saved = tmp_path / f"saved-ep{saved_ep}"
@@ -220,6 +232,8 @@ def test_checkpoints_resume_across_ep2_and_ep1(dist_pool, data_dir, tmp_path, op
                 str(saved),
                 "--optimizer",
                 optimizer,
+                "--checkpoint-every",
+                "0",  # nothing more to save
             ),
             timeout=180,
         )[0]
@@ -243,7 +257,8 @@ def test_fsdp2_ep2_checkpoint_resumes_at_ep1_and_ep2(dist_pool, data_dir, tmp_pa
     saved = tmp_path / "saved"
     shutil.copytree(tmp_path / "straight" / "checkpoints" / "step_00000004", saved)
     for ep in ("1", "2"):
-        argv = moe_args(data_dir, tmp_path / f"ep{ep}", "--ep", ep, *fsdp2, "--resume", str(saved))
+        resume = ["--resume", str(saved), "--checkpoint-every", "0"]
+        argv = moe_args(data_dir, tmp_path / f"ep{ep}", "--ep", ep, *fsdp2, *resume)
         resumed = dist_pool(2).run(run_train, argv, timeout=180)[0]
         assert list(resumed.losses) == [5, 6, 7, 8], ep
         for step, loss in resumed.losses.items():

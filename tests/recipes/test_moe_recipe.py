@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from unittest import mock
 
@@ -91,16 +92,22 @@ def test_moe_tiny_matches_fsdp2_and_keeps_router_biases_equal(dist_pool, data_di
         assert all(torch.equal(a, b) for a, b in zip(rank_biases, biases, strict=True))
 
 
-def test_moe_resume_at_another_world_size(dist_pool, data_dir, tmp_path):
-    straight = dist_pool(2).run(run_train, moe_args(data_dir, tmp_path / "w2"))[0]
-    saved = Path(straight.checkpoint).parent / "step_00000004"
+NO_MORE_SAVES = ("--checkpoint-every", "0")
+
+
+def test_moe_resume_at_another_world_size(dist_pool, data_dir, tmp_path, moe_w2_run):
+    straight, run_dir = moe_w2_run  # the plain moe_tiny run at W=2
+    saved = run_dir / "checkpoints" / "step_00000004"
+    assert straight.checkpoint == str(run_dir / "checkpoints" / "step_00000008")
     for world in (1, 4):  # 4 does not divide the 6 experts
         resumed = dist_pool(world).run(
-            run_train, moe_args(data_dir, tmp_path / f"w{world}", "--resume", str(saved))
+            run_train,
+            moe_args(data_dir, tmp_path / f"w{world}", "--resume", str(saved), *NO_MORE_SAVES),
         )[0]
         assert list(resumed.losses) == [5, 6, 7, 8]
         for step, loss in resumed.losses.items():
             assert abs(loss - straight.losses[step]) < CROSS_WORLD_TOLERANCE, (world, step)
+    shutil.copytree(run_dir, tmp_path / "w2")  # a dense run in the MoE run's directory
     dense = dist_pool(1).run(train_expecting_error, args(data_dir, tmp_path / "w2"))[0]
     assert "another model shape (checkpoint a MoE model, this run a dense model)" in dense
 

@@ -5,6 +5,8 @@ HSDP, and each bad ``--pp`` is refused in one line before anything runs."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import raggedfsdp.fsdp.param_group as param_group_module
@@ -55,21 +57,27 @@ def _counted_run(argv: list[str]) -> tuple[RunResult, list[float], list[tuple[in
 
 
 STEPS = ["--steps", "4", "--checkpoint-every", "0"]
+EVAL_STEPS = [*STEPS, "--eval-every", "2"]  # training goes on after a validation
+
+
+@pytest.fixture(scope="module")
+def one_process(dist_pool, data_dir, tmp_path_factory):
+    """The single-process run (4 layers, 4 steps, validation after the 2nd and 4th) the
+    schedules, FSDP2 and HSDP stages are compared with: computed once for the module."""
+    run_dir = tmp_path_factory.mktemp("pp-one") / "run"
+    return dist_pool(1).run(_counted_run, args(data_dir, run_dir, *LAYERS, *EVAL_STEPS))[0]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "interleaved"])
-def test_pp2_dp2_trains_as_one_process(dist_pool, data_dir, tmp_path, schedule):
+def test_pp2_dp2_trains_as_one_process(dist_pool, data_dir, tmp_path, one_process, schedule):
     """4 steps (validation after the 2nd and 4th) at pp 2 x dp 2 against one process on the same
     global batches: the losses, the validation loss and the gradient norm over all stages
     (above --grad-clip 1 at every step here, so clipping by a wrong norm would show in the
     losses). Every rank reduce-scatters each of its 3 groups exactly once per step (2 blocks
     and the embedding, or the norm with the head; interleaved: 1 block in each of 2 stages),
     not once per microbatch (2 here)."""
-    steps = [*STEPS, "--eval-every", "2"]  # training goes on after a validation
-    one, one_norms, _ = dist_pool(1).run(
-        _counted_run, args(data_dir, tmp_path / "one", *LAYERS, *steps)
-    )[0]
-    argv = args(data_dir, tmp_path / "pp", *_pp("--pp-schedule", schedule, *steps))
+    one, one_norms, _ = one_process
+    argv = args(data_dir, tmp_path / "pp", *_pp("--pp-schedule", schedule, *EVAL_STEPS))
     for result, norms, reduces in dist_pool(4).run(_counted_run, argv, timeout=200):
         assert result.losses.keys() == one.losses.keys() == {1, 2, 3, 4}
         for step, loss in result.losses.items():
@@ -99,29 +107,53 @@ def test_checkpoints_resume_across_pp2_dp2_pp1_dp4_and_pp1_dp2(dist_pool, data_d
     for source, world, extra in resumes:
         checkpoint = tmp_path / source / "checkpoints" / "step_00000002"
         name = f"{source}-to-w{world}{'-pp2' if extra else ''}"
-        resumed = run(world, name, *extra, "--resume", str(checkpoint))
+        resumed = run(world, name, *extra, "--resume", str(checkpoint), "--checkpoint-every", "0")
         assert resumed.resumed_from == str(checkpoint) and list(resumed.losses) == [3, 4]
         for step, loss in resumed.losses.items():
             assert abs(loss - saved[source].losses[step]) < PP_TOLERANCE, (name, step)
 
 
-RESUMES = [[name] for name in CHOICES if name != "adamw"] + [["adamw", "--fsdp", "fsdp2"]]
+# Per optimizer (and FSDP2 with AdamW), one 4-step run at pp 2 x dp 2 saving after step 2:
+# test_every_optimizer_trains_at_pp2 checks its losses, the resume test loads its checkpoint.
+PP_OPTIMIZERS = [[name] for name in CHOICES if name != "adamw"] + [["adamw", "--fsdp", "fsdp2"]]
 
 
-@pytest.mark.slow  # 2 runs at W=4 per optimizer
-@pytest.mark.parametrize("optimizer", RESUMES, ids=["-".join(r) for r in RESUMES])
+def _optimizer_args(optimizer: list[str]) -> list[str]:
+    """The 4-step run of both optimizer tests, less the pp, the checkpoints and the resume."""
+    steps = ["--steps", "4", "--eval-every", "0", "--preconditioner-dim", "16"]
+    return [*LAYERS, *steps, "--optimizer", *optimizer]
+
+
+@pytest.fixture(scope="module")
+def pp2_runs(dist_pool, data_dir, tmp_path_factory):
+    """``pp2_runs(optimizer)``: (every rank's result, the run's directory) of that optimizer's
+    pp 2 x dp 2 run, made on first use and shared by the tests that need it."""
+    runs: dict[str, tuple[list[RunResult], Path]] = {}
+
+    def get(optimizer: list[str]):
+        key = "-".join(optimizer)
+        if key not in runs:
+            run_dir = tmp_path_factory.mktemp(f"pp2-{key}") / "run"
+            extra = [*_optimizer_args(optimizer), "--checkpoint-every", "2", "--pp", "2"]
+            runs[key] = (dist_pool(4).run(run_train, args(data_dir, run_dir, *extra)), run_dir)
+        return runs[key]
+
+    return get
+
+
+@pytest.mark.slow  # 2 runs at W=4 per optimizer, one shared with the next test
+@pytest.mark.parametrize("optimizer", PP_OPTIMIZERS, ids=["-".join(r) for r in PP_OPTIMIZERS])
 def test_every_optimizers_pp2_checkpoint_resumes_at_pp1_dp4(
-    dist_pool, data_dir, tmp_path, optimizer
+    dist_pool, data_dir, tmp_path, pp2_runs, optimizer
 ):
     """Each optimizer's state (8-bit codes, Muon's momentum, Shampoo's and SOAP's nested
     factors, FSDP2's DTensors) saved at pp 2 x dp 2 after step 2 loads at pp 1 x dp 4: the
     first resumed loss is the straight run's (the weights come back exactly: within 1e-6,
     the dp mean's rounding), and the next one within 1e-4 (one update at the other layout,
     which Shampoo's inverse roots amplify to 4.3e-5 here; the others stay within 5e-7)."""
-    base = [*LAYERS, "--steps", "4", "--checkpoint-every", "2", "--eval-every", "0"]
-    base += ["--preconditioner-dim", "16", "--optimizer", *optimizer]
-    straight = dist_pool(4).run(run_train, args(data_dir, tmp_path / "pp", *base, "--pp", "2"))
-    checkpoint = tmp_path / "pp" / "checkpoints" / "step_00000002"
+    straight, run_dir = pp2_runs(optimizer)
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    base = [*_optimizer_args(optimizer), "--checkpoint-every", "0"]  # nothing more to save
     resumed = dist_pool(4).run(
         run_train, args(data_dir, tmp_path / "dp4", *base, "--resume", str(checkpoint))
     )[0]
@@ -135,36 +167,39 @@ def _gap(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[step] - b[step]) for step in a)
 
 
-@pytest.mark.slow  # 3 runs of 4 steps per optimizer, 2 at W=4
+@pytest.mark.slow  # 2 runs of 4 steps per optimizer (1 at W=4) and the shared pp 2 run
 @pytest.mark.parametrize("optimizer", [name for name in CHOICES if name != "adamw"])
-def test_every_optimizer_trains_at_pp2(dist_pool, data_dir, tmp_path, optimizer):
+def test_every_optimizer_trains_at_pp2(dist_pool, data_dir, tmp_path, pp2_runs, optimizer):
     """AdamW8bit, Muon, Shampoo and SOAP over pp 2 x dp 2: the loss falls, and the gap to one
     process is within 3x (plus 1e-5) the gap plain FSDP at dp 4 has to one process on the same
     run. The optimizers whose math amplifies the last bits of the gradients (Muon's bf16
     Newton-Schulz, Shampoo's inverse roots, SOAP's eigenbases) move away from one process by
     any change of summation order (measured: Muon 1.1e-4 at pp 2, 5.9e-5 at dp 4; Shampoo
-    4.5e-5 and 3.0e-5; SOAP 8.7e-3 and 5.4e-3); AdamW8bit stays within 1e-6."""
-    extra = [*LAYERS, "--optimizer", optimizer, *STEPS, "--eval-every", "0"]
-    extra += ["--preconditioner-dim", "16"]
+    4.5e-5 and 3.0e-5; SOAP 8.7e-3 and 5.4e-3); AdamW8bit stays within 1e-6. (The pp 2 run
+    also saves a checkpoint for the resume test: saving does not change the training.)"""
+    extra = [*_optimizer_args([optimizer]), "--checkpoint-every", "0"]
     one = dist_pool(1).run(run_train, args(data_dir, tmp_path / "one", *extra))[0].losses
     dp4 = dist_pool(4).run(run_train, args(data_dir, tmp_path / "dp4", *extra))[0].losses
     bound = 3 * _gap(dp4, one) + PP_TOLERANCE
-    for result in dist_pool(4).run(run_train, args(data_dir, tmp_path / "pp", *_pp(*extra))):
+    for result in pp2_runs([optimizer])[0]:
         assert _gap(result.losses, one) < bound, (optimizer, result.losses, one)
         assert result.losses[4] < result.losses[1] - 0.2
 
 
 @pytest.mark.slow  # two 4-step runs at W=4
-def test_fsdp2_stages_and_hsdp_train_as_one_process(dist_pool, data_dir, tmp_path):
+def test_fsdp2_stages_and_hsdp_train_as_one_process(dist_pool, data_dir, tmp_path, one_process):
     """``--fsdp fsdp2`` (torch's PipelineStage and fully_shard) and HSDP stages (pp 2 x
-    dp_replicate 2 x dp_shard 1, recomputing each block's activations) against one process."""
-    one = dist_pool(1).run(run_train, args(data_dir, tmp_path / "one", *LAYERS, *STEPS))[0]
+    dp_replicate 2 x dp_shard 1, recomputing each block's activations) against one process,
+    losses and both validations."""
+    one = one_process[0]
     hsdp = ["--dp-replicate", "2", "--activation-checkpointing"]
     for name, extra in (("fsdp2", ["--fsdp", "fsdp2"]), ("hsdp", hsdp)):
-        argv = args(data_dir, tmp_path / name, *_pp(*extra, *STEPS))
+        argv = args(data_dir, tmp_path / name, *_pp(*extra, *EVAL_STEPS))
         for result in dist_pool(4).run(run_train, argv):
             assert _gap(result.losses, one.losses) < PP_TOLERANCE, name
-            assert abs(result.val_losses[4] - one.val_losses[4]) < PP_TOLERANCE
+            assert result.val_losses.keys() == {2, 4}, name
+            for step, loss in result.val_losses.items():
+                assert abs(loss - one.val_losses[step]) < PP_TOLERANCE, (name, step)
 
 
 @pytest.mark.parametrize(

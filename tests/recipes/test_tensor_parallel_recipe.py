@@ -71,41 +71,44 @@ def test_tp_not_dividing_the_world_ends_every_rank_with_one_line(dist_pool, data
     assert results[1][1:] == ("", "")
 
 
-@pytest.mark.slow  # ~40 s: three 8-step runs at W=4 and W=2 on 2 cores
-def test_dp2_tp2_trains_as_plain_fsdp_and_as_fsdp2_tp(dist_pool, data_dir, tmp_path):
-    plain = dist_pool(2).run(run_train, args(data_dir, tmp_path / "plain"))[0].losses
-    ours = dist_pool(4).run(run_train, args(data_dir, tmp_path / "tp", "--tp", "2"), timeout=180)
+@pytest.fixture(scope="module")
+def tp_run(dist_pool, data_dir, tmp_path_factory):
+    """(rank results, run directory) of the debug run at dp 2 x tp 2 (8 steps, checkpoints
+    after steps 4 and 8): the trained model of one test, the checkpoint of the next."""
+    run_dir = tmp_path_factory.mktemp("dp2-tp2") / "run"
+    return dist_pool(4).run(run_train, args(data_dir, run_dir, "--tp", "2"), timeout=180), run_dir
+
+
+@pytest.mark.slow  # 8-step runs at W=4 (FSDP2 x TP; ours is tp_run) and W=1, with w2_reference
+def test_dp2_tp2_trains_as_plain_fsdp_and_as_fsdp2_tp(
+    dist_pool, data_dir, tmp_path, w2_reference, tp_run
+):
+    plain = w2_reference[0].losses
+    ours = tp_run[0]
     assert all(r.losses == ours[0].losses for r in ours)  # every rank logs the agreed loss
-    fsdp2 = (
-        dist_pool(4)
-        .run(
-            run_train,
-            args(data_dir, tmp_path / "fsdp2", "--tp", "2", "--fsdp", "fsdp2"),
-            timeout=180,
-        )[0]
-        .losses
+    fsdp2_args = ["--tp", "2", "--fsdp", "fsdp2", "--checkpoint-every", "0"]
+    fsdp2 = dist_pool(4).run(
+        run_train, args(data_dir, tmp_path / "fsdp2", *fsdp2_args), timeout=180
     )
     losses = ours[0].losses
     assert list(losses) == list(range(1, 9)) and losses[8] < losses[1] - 1.0
+    assert list(plain) == list(fsdp2[0].losses) == list(losses)
     for step, loss in losses.items():
         assert abs(loss - plain[step]) < TP_TOLERANCE, (step, loss, plain[step])
-        assert abs(loss - fsdp2[step]) < TP_TOLERANCE, (step, loss, fsdp2[step])
-    assert ours[0].val_losses[8] == pytest.approx(
-        dist_pool(1).run(run_train, args(data_dir, tmp_path / "w1"))[0].val_losses[8],
-        abs=TP_TOLERANCE,
-    )
+        assert abs(loss - fsdp2[0].losses[step]) < TP_TOLERANCE, (step, loss, fsdp2[0].losses)
+    one = dist_pool(1).run(run_train, args(data_dir, tmp_path / "w1", "--checkpoint-every", "0"))
+    assert ours[0].val_losses[8] == pytest.approx(one[0].val_losses[8], abs=TP_TOLERANCE)
 
 
-def test_a_dp2_tp2_checkpoint_resumes_at_dp4_and_at_dp1_tp2(dist_pool, data_dir, tmp_path):
-    straight = dist_pool(4).run(
-        run_train, args(data_dir, tmp_path / "tp", "--tp", "2"), timeout=180
-    )[0]
+def test_a_dp2_tp2_checkpoint_resumes_at_dp4_and_at_dp1_tp2(dist_pool, data_dir, tmp_path, tp_run):
+    straight = tp_run[0][0]
     saved = tmp_path / "step4"
-    shutil.copytree(tmp_path / "tp" / "checkpoints" / "step_00000004", saved)
+    shutil.copytree(tp_run[1] / "checkpoints" / "step_00000004", saved)
+    resume = ["--resume", str(saved), "--checkpoint-every", "0"]  # nothing more to save
     for world, tp in ((4, 1), (2, 2)):
         resumed = dist_pool(world).run(
             run_train,
-            args(data_dir, tmp_path / f"w{world}-tp{tp}", "--tp", str(tp), "--resume", str(saved)),
+            args(data_dir, tmp_path / f"w{world}-tp{tp}", "--tp", str(tp), *resume),
             timeout=180,
         )[0]
         assert resumed.resumed_from == str(saved)
@@ -124,14 +127,13 @@ def test_hsdp_tp_bf16_activation_checkpointing(dist_pool, data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("optimizer", [name for name in CHOICES if name != "adamw"])
-def test_every_optimizer_trains_with_tp(dist_pool, data_dir, tmp_path, optimizer):
+def test_every_optimizer_trains_with_tp(tp2_optimizer_run, optimizer):
     """Muon, AdamW8bit, Shampoo and SOAP step TP parameters as one process would (Shampoo and
     SOAP with blocks that divide every TP block): two steps on both ranks."""
-    extra = ["--tp", "2", "--optimizer", optimizer, "--steps", "2", "--checkpoint-every", "0"]
-    extra += ["--preconditioner-dim", "8"]
-    results = dist_pool(2).run(run_main, args(data_dir, tmp_path / optimizer, *extra))
+    results, losses = tp2_optimizer_run(optimizer)
     assert [r[0] for r in results] == [0, 0], results
     assert results[0][2] == "", results[0][2]
+    assert list(losses) == [1, 2], losses
 
 
 def test_blocks_a_tp_split_cuts_are_computed_on_owners(dist_pool, data_dir, tmp_path):

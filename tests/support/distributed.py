@@ -16,6 +16,7 @@ bound itself, and gloo is pinned to the loopback interface.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -43,6 +44,8 @@ FAILURE_GRACE_S = 1.0
 # sooner, at GLOO_TIMEOUT.
 RUN_TIMEOUT_S = 240.0
 CLOSE_TIMEOUT_S = 10.0
+# Imported once by the forkserver, inherited by every rank it forks (a missing one is skipped).
+PRELOAD = ("raggedfsdp.fsdp", "raggedfsdp.optim", "recipes.llama.train")
 
 
 def _context() -> mp.context.BaseContext:
@@ -50,13 +53,14 @@ def _context() -> mp.context.BaseContext:
 
     Like spawn, forkserver children do not inherit the test process's state (they are forked
     from a clean server that was itself started fresh with the parent's ``sys.path``), but the
-    server pays the torch import once: a 4-rank pool then starts in well under a second instead
-    of several seconds of importing torch 4 times on 2 cores.
+    server pays the imports once: torch, the library and the recipe (about 2.5 s of CPU each on
+    this machine), so a 4-rank pool starts in well under a second instead of importing them 4
+    times on 2 cores, and a pool that respawns after a failure pays nothing again.
     """
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__])
+    ctx.set_forkserver_preload([__name__, *PRELOAD])
     return ctx
 
 
@@ -100,7 +104,44 @@ def _worker_main(
         except BaseException:
             reply = ("error", traceback.format_exc())
         _send(conn, reply)
+        _destroy_task_groups()
     dist.destroy_process_group()
+
+
+class _DestroyedGroup:
+    """Holds a destroyed group's place in torch's group-name registry. Groups made with
+    ``use_local_synchronization`` (``shard_subgroup``, ``product_group``) are named by a hash
+    of their ranks and the registry's size; were the size to shrink, a new group would take a
+    destroyed one's name and meet its stale rendezvous keys in the store (a hang)."""
+
+    def shutdown(self) -> None:  # what destroying the default group calls on every entry
+        pass
+
+
+def _destroy_task_groups() -> None:
+    """Destroy every process group but the default one once a task is done (the meshes and
+    subgroups it made; every rank ran the same task, so every member destroys them).
+
+    A gloo group keeps two worker threads and a TCP event loop that wakes every few
+    milliseconds even when idle: a session's tests make hundreds of groups, and left alive they
+    took most of both cores by the end of a run (532 groups, 1,600 threads per rank of the
+    4-rank pool). DTensor's sharding cache (keyed by meshes, which compare by rank layout) and
+    raggedfsdp's subgroup caches would hand the next task a destroyed group, so they go too.
+    """
+    from torch.distributed.distributed_c10d import _get_default_group, _world
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    from raggedfsdp.comm.mesh import forget_groups
+
+    default = _get_default_group()
+    for group in list(_world.pg_map):
+        if group is not default:
+            name = _world.pg_names[group]
+            dist.destroy_process_group(group)
+            _world.pg_names[_DestroyedGroup()] = name
+    forget_groups()
+    _clear_sharding_prop_cache()
+    gc.collect()  # groups held in reference cycles (meshes, modules) end now, not later
 
 
 class WorkerPool:

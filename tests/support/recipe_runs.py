@@ -17,9 +17,16 @@ from recipes.llama.config import ConfigError, parse_args
 from recipes.llama.parallel import distributed
 from recipes.llama.train import RunResult, main, train
 
+# A configured peak for MFU: on CPU the recipe otherwise measures it with 0.2 s of matmuls on
+# every rank at the start of every run (metrics.peak_flops), a tenth of a debug run here. The
+# runs as launched (test_launch, test_banner, the docs) still measure it.
+PEAK_TFLOPS = ["--peak-tflops", "1"]
+
 
 def args(data_dir: str, run_dir: Path, *extra: str) -> list[str]:
-    return ["--config", "debug", "--data-dir", data_dir, "--run-dir", str(run_dir), *extra]
+    """The debug run's command line in ``run_dir``, then ``extra``."""
+    debug = ["--config", "debug", "--data-dir", data_dir, "--run-dir", str(run_dir)]
+    return [*debug, *PEAK_TFLOPS, *extra]
 
 
 def _signal_at(step: int, at: int) -> None:
