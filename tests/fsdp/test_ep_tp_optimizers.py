@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from raggedfsdp.optim import SOAP, AdamW8bit, Shampoo
 from recipes.llama.moe import MoETransformer
 from tests.support.ep_steps import full_state, is_expert, step_with, tiny_moe, wrap_ep
+from tests.support.optim_helpers import assert_ranks_match
 
 W = 4
 E = 4
@@ -49,15 +50,6 @@ def _reference(make, grads: dict) -> tuple[dict, dict]:
     step_with(named, grads, opt, STEPS)
     state = full_state(opt, named)
     return {n: p.detach() for n, p in named}, state
-
-
-def _assert_equal(results: list[dict], params: dict, state: dict) -> None:
-    for result in results:
-        for n, value in params.items():
-            assert torch.equal(result["params"][n], value), n
-        assert result["state"].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(result["state"][key], value), key
 
 
 # ----------------------------------------------------------------------------- blocked
@@ -96,7 +88,7 @@ def test_blocked_step_equals_one_process_on_ep_tp_experts(dist_pool, layout, nam
     params, state = _reference(_blocked(name, block, extra), grads)
     assert any(is_expert(key) for key in state)
     results = dist_pool(W).run(_blocked_on_ep_tp, layout, grads, name, block, extra)
-    _assert_equal(results, params, state)
+    assert_ranks_match(results, params, state)
     assert sum(r["owner_slabs"] for r in results) > 0
 
 
@@ -132,7 +124,7 @@ def test_adamw8bit_tiles_split_on_ep_and_tp(dist_pool, layout):
     grads = _gradients(22)
     params, state = _reference(_adamw8bit, grads)
     assert any(is_expert(k) and k.endswith("_absmax") for k in state)
-    _assert_equal(dist_pool(W).run(_adamw8bit_on_ep_tp, layout, grads), params, state)
+    assert_ranks_match(dist_pool(W).run(_adamw8bit_on_ep_tp, layout, grads), params, state)
 
 
 def _refusal(layout: tuple[int, int], options: dict) -> str:

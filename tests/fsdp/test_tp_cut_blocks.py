@@ -15,6 +15,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 import raggedfsdp
 from raggedfsdp.optim import SOAP, Shampoo
 from raggedfsdp.sharding import strict
+from tests.support.optim_helpers import assert_ranks_match
 from tests.support.tp_models import llama_batch, llama_loss, make_llama, tp_meshes, wrapped_llama
 
 LR = 3e-3
@@ -83,12 +84,7 @@ def test_cut_blocks_step_equals_one_process(dist_pool, dims, name):
     options = _options(name)
     params, state, grads = _reference(name, options)
     results = dist_pool(4).run(_blocked_on_tp, dims, grads, name, options)
-    for result in results:
-        for n, value in params.items():
-            assert torch.equal(result["params"][n], value), n
-        assert result["state"].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(result["state"][key], value), key
+    assert_ranks_match(results, params, state)
     assert sum(r["owner_slabs"] for r in results) > 0 and sum(r["bytes_sent"] for r in results)
 
 

@@ -193,3 +193,14 @@ def train_checkpointed(
         set_mode_grads(params, {n: g[0] for n, g in grads.items()}, gbuf)
         opt.step()
     return full_values(params)
+
+
+def assert_ranks_match(results: Sequence[dict], params: dict, state: dict) -> None:
+    """Every rank's gathered ``results["params"]`` and ``results["state"]`` (global
+    coordinates) equal one process's ``params`` and ``state``, bitwise, key by key."""
+    for result in results:
+        for n, value in params.items():
+            assert torch.equal(result["params"][n], value), n
+        assert result["state"].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(result["state"][key], value), key
