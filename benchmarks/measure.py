@@ -3,7 +3,9 @@
 * Memory on a CPU machine: ranks started with ``MALLOC_ENV`` return freed
   memory to the OS, so the resident set follows live tensor bytes; ``peak_above_now`` resets
   ``VmHWM`` and reads it after a call, ``peak_allocated`` reads the profiler's allocator events
-  (the view a GPU's caching allocator has).
+  (the view a GPU's caching allocator has); ``trimmed_rss_kib`` is the resident set once glibc
+  has returned the free pages inside its heap too (what a system held: the drop across its
+  deletion).
 * Communication: ``CollectiveBytes`` counts the all-gathers and reduce-scatters of one or more
   steps exactly, at the calls both runtimes make (our flat-buffer collectives; the
   ``torch.distributed`` calls FSDP2 makes), whatever the backend turns them into underneath.
@@ -16,6 +18,8 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import statistics
 import time
@@ -42,6 +46,7 @@ __all__ = [
     "spawn_ranks",
     "start_ranks",
     "status_kib",
+    "trimmed_rss_kib",
 ]
 
 MALLOC_ENV = {
@@ -62,6 +67,20 @@ def status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(field)
+
+
+def trimmed_rss_kib() -> int:
+    """``VmRSS`` after a garbage collection and glibc's ``malloc_trim(0)``.
+
+    ``MALLOC_ENV`` puts allocations of 64 KiB and more in their own mappings, unmapped when
+    freed; smaller ones (a runtime's per-parameter shards of small tensors, their optimizer
+    state, its Python objects) live in the heap, whose freed pages stay resident unless they
+    were at its top. Without the trim, deleting a system of many small tensors (FSDP2's
+    per-parameter DTensors) drops the resident set by less than it held, while one of flat
+    buffers (ours) drops by all of it: the two would not be compared alike."""
+    gc.collect()
+    ctypes.CDLL(None).malloc_trim(0)
+    return status_kib("VmRSS")
 
 
 def reset_peak() -> None:

@@ -20,7 +20,7 @@ same batches. Reported per system and as ratios ours / FSDP2 (lower is better):
 * ``static_tensors``: the storage bytes of this rank's parameters, gradients and optimizer
   state (each storage once, FSDP2's padding included), what a GPU holds between steps;
   ``static``: the same as resident memory, what the resident set drops by when the system is
-  deleted after the run (``measure.py``);
+  deleted after the run (glibc's heap trimmed before each reading: ``measure.trimmed_rss_kib``);
 * ``transient``: peak resident memory above the post-warm-up level during a step (ranks
   started with ``MALLOC_*`` set, ``VmHWM`` reset before the step: ``measure.py``), median;
   memory figures are the maximum over ranks (FSDP2's first ranks hold whole chunks);
@@ -87,8 +87,8 @@ from measure import (
     init_gloo,
     peak_allocated,
     spawn_ranks,
-    status_kib,
     train_step,
+    trimmed_rss_kib,
 )
 from torch import nn
 
@@ -204,6 +204,12 @@ def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     once), and with mixed precision our groups' bf16 copies of their segments (the input of
     their all-gathers, refreshed once per optimizer step): what a system keeps between steps,
     padding included."""
+    return sum(storage_bytes(model, opt).values())
+
+
+def storage_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict[int, int]:
+    """``tensor_bytes``' storages, each once: data pointer -> bytes (their sizes tell which
+    the allocator put in the heap and which in their own mappings)."""
     storages: dict[int, int] = {}
 
     def add(t: Any) -> None:
@@ -224,7 +230,7 @@ def tensor_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
         for state in o.state.values():
             for value in state.values():
                 add(value)
-    return sum(storages.values())
+    return storages
 
 
 def rank_tokens(args: argparse.Namespace, rank: int) -> torch.Tensor:
@@ -282,14 +288,14 @@ def _build(args: argparse.Namespace, step) -> dict[str, dict[str, Any]]:
 
 def _static_resident(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     """The resident memory each system holds between steps: what the resident set drops by
-    when it is deleted (memory a backend keeps for itself, such as gloo's, stays)."""
+    when it is deleted (memory a backend keeps for itself, such as gloo's, stays), read with
+    glibc's heap trimmed (``measure.trimmed_rss_kib``: FSDP2's small per-parameter tensors
+    free inside the heap, and an untrimmed reading would still count them)."""
     static = {}
     for name in SYSTEMS:
-        gc.collect()
-        before = status_kib("VmRSS")
+        before = trimmed_rss_kib()
         del systems[name]["model"], systems[name]["opt"]
-        gc.collect()
-        static[name] = (before - status_kib("VmRSS")) / 1024
+        static[name] = (before - trimmed_rss_kib()) / 1024
     return static
 
 

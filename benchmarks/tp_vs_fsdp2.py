@@ -23,7 +23,9 @@ gather; lower is better):
   counted;
 * ``static_tensors``: storage bytes of this rank's parameters, gradients and optimizer state,
   what a GPU holds between steps; ``static``: the same as resident memory, what the resident
-  set drops by when the system is deleted after the run;
+  set drops by when the system is deleted after the run, glibc's free heap pages returned
+  before each reading (``measure.trimmed_rss_kib``: else FSDP2's sub-64 KiB tensors, freed
+  inside the heap, would stay counted and its figure come out ~1 MiB short);
 * ``transient``: peak resident memory above the post-warm-up level during a step (ranks started
   with ``MALLOC_*`` set, ``VmHWM`` reset before the step: ``measure.py``), median; memory
   figures are the maximum over ranks;
@@ -57,8 +59,8 @@ from measure import (
     alternate_rounds,
     init_gloo,
     spawn_ranks,
-    status_kib,
     train_step,
+    trimmed_rss_kib,
 )
 from torch import nn
 
@@ -106,15 +108,26 @@ def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim
     """The recipe's model on ``system`` x TP at (world / tp, tp), with torch's AdamW or, with
     ``--optimizer muon``, the system's Muon (ours planned with ``Muon.shard_policy()``, as the
     recipe's ``--optimizer muon`` does)."""
+    model = build_sharded(system, args)
+    return model, make_optimizer(system, model, args)
+
+
+def build_sharded(system: str, args: argparse.Namespace) -> nn.Module:
+    """``build``'s model alone (``tp_memory_phases.py static`` reads memory between the two)."""
     from raggedfsdp.optim import Muon
 
     env = make_env(torch.device("cpu"), dist.get_rank(), tp=args.tp)
-    muon = args.optimizer == "muon"
-    policy = Muon.shard_policy() if muon and system == "ours" else None
-    model = build_model(config(args, SYSTEMS[system]), env, policy=policy)
-    if muon:
-        return model, muon_optimizer(system, model)
-    return model, torch.optim.AdamW(model.parameters(), **ADAMW)
+    policy = Muon.shard_policy() if args.optimizer == "muon" and system == "ours" else None
+    return build_model(config(args, SYSTEMS[system]), env, policy=policy)
+
+
+def make_optimizer(
+    system: str, model: nn.Module, args: argparse.Namespace
+) -> torch.optim.Optimizer:
+    """``build``'s optimizer for ``model``."""
+    if args.optimizer == "muon":
+        return muon_optimizer(system, model)
+    return torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
 def _step(tokens: torch.Tensor, loss_parallel: bool = False):
@@ -170,14 +183,14 @@ def _counted_step(model: nn.Module, opt: torch.optim.Optimizer, step) -> dict[st
 
 
 def _static_resident(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """What the resident set drops by when each system is deleted (its memory between steps)."""
+    """What the resident set drops by when each system is deleted (its memory between steps),
+    read with glibc's heap trimmed (``trimmed_rss_kib``): FSDP2's small per-parameter tensors
+    and objects live in the heap, whose freed pages an untrimmed reading still counts."""
     static = {}
     for name, system in systems.items():
-        gc.collect()
-        before = status_kib("VmRSS")
+        before = trimmed_rss_kib()
         system.clear()
-        gc.collect()
-        static[name] = (before - status_kib("VmRSS")) / 1024
+        static[name] = (before - trimmed_rss_kib()) / 1024
     return static
 
 

@@ -5,6 +5,7 @@ for how async handles and communication streams keep CUDA memory safe without ``
 """
 
 from raggedfsdp.comm.collectives import (
+    GATHER_TAG,
     ReduceKind,
     all_gather_flat,
     all_reduce_flat,
@@ -24,6 +25,7 @@ from raggedfsdp.comm.mesh import (
 )
 
 __all__ = [
+    "GATHER_TAG",
     "CollectiveError",
     "CommHandle",
     "ReduceKind",

@@ -26,7 +26,25 @@ import torch
 from torch import Tensor
 from torch.distributed import Work
 
-__all__ = ["CommHandle"]
+__all__ = ["CommHandle", "Works"]
+
+
+class Works:
+    """Several backend works that finish as one collective (the point-to-point messages of
+    gloo's all-gather exchange): ``wait`` waits them all, ``is_completed`` asks without blocking."""
+
+    __slots__ = ("_works",)
+
+    def __init__(self, works: list[Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 class CommHandle:
@@ -40,7 +58,7 @@ class CommHandle:
 
     def __init__(
         self,
-        work: Work | None = None,
+        work: Work | Works | None = None,
         event: torch.cuda.Event | None = None,
         device: torch.device | None = None,
         keep_alive: tuple[Tensor, ...] = (),
@@ -78,7 +96,7 @@ class CommHandle:
 
 
 def launch(
-    issue: Callable[[bool], Work | None],
+    issue: Callable[[bool], Work | Works | None],
     tensors: tuple[Tensor, ...],
     async_op: bool,
     comm_stream: torch.cuda.Stream | None,

@@ -34,7 +34,12 @@ MeshLike = DeviceMesh | ProcessGroup | None
 
 
 def group_size(group: ProcessGroup | None) -> int:
-    """Number of ranks in ``group``; 1 for ``None`` when torch.distributed is not initialized."""
+    """Number of ranks in ``group``; 1 for ``None`` when torch.distributed is not initialized.
+
+    A group's own ``size()`` (C++) first: every collective asks, and ``dist.get_world_size``
+    takes a microsecond of Python checks per call."""
+    if isinstance(group, ProcessGroup):
+        return group.size()
     if group is None and not dist.is_initialized():
         return 1
     size = dist.get_world_size(group)
@@ -45,6 +50,8 @@ def group_size(group: ProcessGroup | None) -> int:
 
 def group_rank(group: ProcessGroup | None) -> int:
     """This process's rank within ``group``; 0 for ``None`` when not initialized."""
+    if isinstance(group, ProcessGroup):
+        return group.rank()
     if group is None and not dist.is_initialized():
         return 0
     rank = dist.get_rank(group)

@@ -6,9 +6,9 @@ raggedfsdp and of FSDP2 with one rule, on the fake process group and on gloo or 
 
 A collective's bytes are its whole buffer: the gathered output of an all-gather, the input
 of a reduce-scatter, the tensor of an all-reduce, the input of an all-to-all (what this rank
-sends); a ring moves ``(W - 1) / W`` of that over the wire. raggedfsdp's gloo all-gather is a
-bitwise-OR all-reduce of the zero-filled gathered buffer (``raggedfsdp.comm.collectives``), so
-an OR all-reduce counts as the all-gather it is.
+sends); a ring moves ``(W - 1) / W`` of that over the wire. raggedfsdp's gloo all-gather is an
+exchange of point-to-point messages tagged ``GATHER_TAG`` (``raggedfsdp.comm.collectives``):
+it counts as the all-gather it is, once, at its send to the next rank.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from raggedfsdp.comm import GATHER_TAG
 
 __all__ = ["CollectiveCounter"]
 
@@ -36,7 +38,6 @@ _KINDS = {
     _c10d.alltoall_.default: ("all_to_all", 1),
     _c10d.broadcast_.default: ("broadcast", 0),
 }
-_BOR = int(dist.ReduceOp.BOR)
 
 
 def _nbytes(value: object) -> int:
@@ -65,10 +66,14 @@ class CollectiveCounter(TorchDispatchMode):
         kind = _KINDS.get(func)
         if kind is not None:
             name, index = kind
-            if name == "all_reduce" and args[2].op() == _BOR:
-                name = "all_gather"
-            size = _nbytes(args[index])
-            self.bytes[name] += size
-            self.calls[name] += 1
-            self.largest[name] = max(self.largest[name], size)
+            self._count(name, _nbytes(args[index]))
+        elif func is _c10d.send.default and args[3] == GATHER_TAG:
+            group = dist.ProcessGroup.unbox(args[1])
+            if args[2] == (group.rank() + 1) % group.size():
+                self._count("all_gather", _nbytes(args[0]) * group.size())
         return func(*args, **(kwargs or {}))
+
+    def _count(self, name: str, size: int) -> None:
+        self.bytes[name] += size
+        self.calls[name] += 1
+        self.largest[name] = max(self.largest[name], size)

@@ -139,7 +139,9 @@ def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set(xlabel="step", ylabel="loss (nats/token)", title=title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    # Fixed margins that fit the labels of a 7 x 4 in figure: tight_layout measured every
+    # tick label's extent first, 0.2-0.3 s of a 2 s debug run.
+    fig.subplots_adjust(left=0.1, right=0.97, bottom=0.12, top=0.92)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

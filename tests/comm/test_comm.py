@@ -28,6 +28,7 @@ from raggedfsdp.comm import (
     resolve_mesh,
 )
 from raggedfsdp.comm.handle import launch
+from raggedfsdp.dry_run import CollectiveCounter
 from tests.support.distributed import WorkerPool
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
@@ -156,8 +157,11 @@ def _check_many_in_flight() -> None:
     full = torch.empty(world * 4)
     summed = _ints(rank, 8)
     shard = torch.empty(2)
+    # two gathers on one group at once: gloo's exchanges must not swap their messages
+    second = torch.empty(world * 3, dtype=torch.int64)
     handles = [
         all_gather_flat(full, _ints(rank, 4), async_op=True, comm_stream=stream),
+        all_gather_flat(second, _ints(rank, 3, torch.int64), async_op=True),
         all_reduce_flat(summed, op="sum", async_op=True, comm_stream=stream),
         reduce_scatter_flat(shard, _ints(rank, world * 2), op="sum", async_op=True),
     ]
@@ -165,9 +169,22 @@ def _check_many_in_flight() -> None:
         handle.wait()
     assert stream.method_calls == []
     assert torch.equal(full, torch.cat([_ints(r, 4) for r in range(world)]))
+    assert torch.equal(second, torch.cat([_ints(r, 3, torch.int64) for r in range(world)]))
     assert torch.equal(summed, torch.stack([_ints(r, 8) for r in range(world)]).sum(0))
     expected = torch.stack([_ints(r, world * 2) for r in range(world)]).sum(0)
     assert torch.equal(shard, expected[rank * 2 : rank * 2 + 2])
+
+
+def _check_gather_counts_as_one_all_gather() -> None:
+    """However the backend moves it (gloo: point-to-point messages), a traffic counter sees one
+    all-gather of the whole buffer per call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.empty(world * 6)
+    with CollectiveCounter() as counter:
+        all_gather_flat(full, full[rank * 6 : rank * 6 + 6], async_op=True).wait()
+    expected = {"all_gather": 4 * full.numel()} if world > 1 else {}
+    assert dict(counter.bytes) == expected
+    assert dict(counter.calls) == ({"all_gather": 1} if world > 1 else {})
 
 
 def _check_argument_errors() -> None:
@@ -288,6 +305,7 @@ def _strict(check: Callable[[], None]) -> None:
         _check_all_reduce,
         _check_all_to_all,
         _check_many_in_flight,
+        _check_gather_counts_as_one_all_gather,
         _check_argument_errors,
         _check_flat_group_mesh,
     ],

@@ -21,6 +21,11 @@ from tests.support.recipe_runs import args, run_main, run_train
 # process: only the order of the float sums differs (microbatches summed by the schedule,
 # dp ranks by the reduce-scatter, the norm over stages as a sum of two squares), ~1e-7 a step.
 PP_TOLERANCE = 1e-5
+# Shampoo's inverse roots amplify last-bit differences by a factor the machine's kernels decide:
+# at pp 2 against dp 4, 4.5e-5 / 3.0e-5 on one machine and 1.36e-4 / 1.6e-5 on another, so a
+# multiple of the dp 4 gap alone is a coin toss there. The floor still fails a wrong schedule,
+# whose gaps are the loss's own scale (1e-2 and more).
+AMPLIFIED_FLOOR = {"shampoo": 4e-4}
 LAYERS = ["--model.n-layers", "4"]  # 2 stages of 2 layers; interleaved: 4 stages of 1
 
 
@@ -180,7 +185,7 @@ def test_every_optimizer_trains_at_pp2(dist_pool, data_dir, tmp_path, pp2_runs, 
     extra = [*_optimizer_args([optimizer]), "--checkpoint-every", "0"]
     one = dist_pool(1).run(run_train, args(data_dir, tmp_path / "one", *extra))[0].losses
     dp4 = dist_pool(4).run(run_train, args(data_dir, tmp_path / "dp4", *extra))[0].losses
-    bound = 3 * _gap(dp4, one) + PP_TOLERANCE
+    bound = max(3 * _gap(dp4, one) + PP_TOLERANCE, AMPLIFIED_FLOOR.get(optimizer, 0.0))
     for result in pp2_runs([optimizer])[0]:
         assert _gap(result.losses, one) < bound, (optimizer, result.losses, one)
         assert result.losses[4] < result.losses[1] - 0.2

@@ -78,9 +78,9 @@ class Llama(nn.Module):
         return self.output(self.norm(h))
 
 
-def make_llama(seed: int = 0, layers: int = 2) -> Llama:
+def make_llama(seed: int = 0, layers: int = 2, dtype: torch.dtype = torch.float32) -> Llama:
     torch.manual_seed(seed)
-    model = Llama(layers)
+    model = Llama(layers).to(dtype)
     with torch.no_grad():  # norm weights off 1, so their gradients and updates show
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -134,7 +134,9 @@ def llama_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def llama_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = model(inputs)
-    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+    logits = logits.reshape(-1, VOCAB)  # bf16 logits in fp32, fp64 ones as they are
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits, targets.reshape(-1))
 
 
 def tp_meshes(dims: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, int, int]:
@@ -150,12 +152,14 @@ def tp_meshes(dims: tuple[int, ...]) -> tuple[DeviceMesh, DeviceMesh, int, int]:
     return mesh["tp"], dp, index, dims[0] * dims[1]
 
 
-def wrapped_llama(dims: tuple[int, ...], wrap, **kwargs) -> tuple[Llama, int, int]:
-    """``make_llama`` with torchtitan's TP plan, each block and the root wrapped by ``wrap``
-    (``raggedfsdp.fully_shard`` or FSDP2's) over the data-parallel mesh; (model, dp index, dp
-    size)."""
+def wrapped_llama(
+    dims: tuple[int, ...], wrap, dtype: torch.dtype = torch.float32, **kwargs
+) -> tuple[Llama, int, int]:
+    """``make_llama`` (in ``dtype``) with torchtitan's TP plan, each block and the root wrapped
+    by ``wrap`` (``raggedfsdp.fully_shard`` or FSDP2's) over the data-parallel mesh; (model, dp
+    index, dp size)."""
     tp_mesh, dp_mesh, index, size = tp_meshes(dims)
-    model = parallelize_llama(make_llama(), tp_mesh)
+    model = parallelize_llama(make_llama(dtype=dtype), tp_mesh)
     for block in model.layers:
         wrap(block, mesh=dp_mesh, **kwargs)
     wrap(model, mesh=dp_mesh, **kwargs)
