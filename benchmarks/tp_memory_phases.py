@@ -109,6 +109,17 @@ def gathered_bytes(model: nn.Module, args: argparse.Namespace) -> dict[str, int]
     return needs
 
 
+def _report_and_leave(summary: dict[str, Any], world: int, out) -> None:
+    """Gather every rank's ``summary``; rank 0 puts them on ``out``. Then all ranks leave
+    together (gloo may abort a rank that tears down while a peer still runs)."""
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, summary)
+    if dist.get_rank() == 0:
+        out.put(everyone)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
     init_gloo(rank, world, port)
     gen = torch.Generator().manual_seed(rank // args.tp)  # tp_vs_fsdp2.py's batches
@@ -146,12 +157,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     bound = phases.bound(gathered_bytes(model, args)) if args.system == "floor" else None
     summary: dict[str, Any] = {"rank": rank, "rows": rows, "transient": transient}
     summary |= {"allocated": allocated, "bound": bound}
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, summary)
-    if rank == 0:
-        out.put(everyone)
-    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
-    dist.destroy_process_group()
+    _report_and_leave(summary, world, out)
 
 
 def _grow(rows: list[tuple[str, float]], label: str, start: float) -> None:
@@ -200,12 +206,7 @@ def _static_worker(rank: int, world: int, port: int, args: argparse.Namespace, o
     for name, system in systems.items():
         summary[name] = {"tensors": system["tensors"], "heap": system["heap"]}
         summary[name]["drop"], summary[name]["drop_trimmed"] = _static_delete(system)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, summary)
-    if rank == 0:
-        out.put(everyone)
-    dist.barrier()  # leave together: gloo may abort a rank that tears down while a peer runs
-    dist.destroy_process_group()
+    _report_and_leave(summary, world, out)
 
 
 def print_static(everyone: list[dict[str, Any]], args: argparse.Namespace) -> None:
