@@ -19,8 +19,8 @@ Backend notes (torch 2.13):
   is an exchange: each rank sends its segment to every other rank and receives theirs straight
   into their segments of the buffer, ``2 (W - 1)`` point-to-point messages tagged
   :data:`GATHER_TAG`, in place and bit-exact, each rank sending ``(W - 1) S`` as a ring would.
-  Measured on 2 cores (W=2, 12 MB): 4.3 ms against 8.7 for ``all_gather_single`` and 9.4 for a
-  bitwise-OR all-reduce of the zero-filled buffer; W=4: 9.0, 14.9 and 28.7 ms. A reduce-scatter
+  About 2-3x faster than ``all_gather_single`` or a bitwise-OR all-reduce of the zero-filled
+  buffer at 1-48 MiB, W=2 and 4 (BENCHMARKS.md, ``benchmarks/gloo_gather.py``). A reduce-scatter
   whose input is scratch is an in-place all-reduce. NCCL keeps its true all-gather and
   reduce-scatter.
 

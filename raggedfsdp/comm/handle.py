@@ -38,10 +38,9 @@ class Works:
     def __init__(self, works: list[Work]) -> None:
         self._works = works
 
-    def wait(self) -> bool:
+    def wait(self) -> None:
         for work in self._works:
             work.wait()
-        return True
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
