@@ -12,9 +12,11 @@ alternately over the same gradients, medians of CPU time:
   torch's Muon takes 2-D only).
 
 NS FLOPs per step (``ns_flops``) over the median step give each variant's GFLOP/s, beside the
-bf16 matmul ceiling measured in the same run (the best of a 2048² ``mm`` and a batched
-``bmm`` of the experts' shape). The per-matrix rate over that ceiling is the lowest batched /
-per-matrix ratio that removing every per-call cost could reach (``limit_vs_per-matrix``).
+bf16 matmul ceiling measured in the same run (the best of a square ``mm`` and a batched
+``bmm`` of the experts' shape; the square grows from 256² to 2048² while one product takes
+under 50 ms, so a CPU without native bf16, where 2048² takes a minute, stops early). The
+per-matrix rate over that ceiling is the lowest batched / per-matrix ratio that removing every
+per-call cost could reach (``limit_vs_per-matrix``).
 
 **Distributed** (``--part worlds``):
 
@@ -80,15 +82,17 @@ def moe_shapes(layers: int, dim: int, experts: int, hidden: int) -> dict[str, tu
 
 
 def matmul_ceiling(experts: int, hidden: int, dim: int, repeats: int = 5) -> float:
-    """GFLOP/s of bf16 matmul here (CPU time, like the steps): the best of a 2048² ``mm`` and the
-    batched products of an expert's NS iteration, (E, s, l) @ (E, l, s) and (E, s, s) @ (E, s,
-    l), with s, l the smaller and larger of h and d."""
+    """GFLOP/s of bf16 matmul here (CPU time, like the steps): the best of a square ``mm`` (up
+    to 2048², :func:`_square_side`) and the batched products of an expert's NS iteration,
+    (E, s, l) @ (E, l, s) and (E, s, s) @ (E, s, l), with s, l the smaller and larger of h
+    and d."""
     s, big = min(hidden, dim), max(hidden, dim)
-    a = torch.randn(2048, 2048).bfloat16()
+    n = _square_side()
+    a = torch.randn(n, n).bfloat16()
     x = torch.randn(experts, s, big).bfloat16()
     g = torch.randn(experts, s, s).bfloat16()
     cases = [
-        (lambda: a @ a, 2 * 2048**3),
+        (lambda: a @ a, 2 * n**3),
         (lambda: x @ x.mT, 2 * experts * s * s * big),
         (lambda: g @ x, 2 * experts * s * s * big),
     ]
@@ -102,6 +106,21 @@ def matmul_ceiling(experts: int, hidden: int, dim: int, repeats: int = 5) -> flo
             times.append(time.process_time() - t0)
         best = max(best, flops / statistics.median(times) / 1e9)
     return best
+
+
+def _square_side(start: int = 256, stop: int = 2048, budget_s: float = 0.05) -> int:
+    """The largest side, doubling from ``start`` to ``stop``, whose bf16 square product takes
+    under ``budget_s``: large enough to reach the ceiling where bf16 is native, small enough
+    where it is emulated (2048² took 55 s on an AVX2-only EPYC)."""
+    n = start
+    while n < stop:
+        a = torch.randn(2 * n, 2 * n).bfloat16()
+        t0 = time.process_time()
+        a @ a
+        if time.process_time() - t0 > budget_s:
+            break
+        n *= 2
+    return n
 
 
 def moe_side_by_side(args: argparse.Namespace) -> dict:

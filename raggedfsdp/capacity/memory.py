@@ -13,17 +13,20 @@ Memory model (what ``raggedfsdp.fully_shard`` holds, per rank, in bytes):
 * sharded gradients: ``S`` master-dtype elements per group, from the group's reduce-scatter until
   ``zero_grad``;
 * transient, by phase: in forward, the full all-gather buffers (``W * S`` elements) of the current
-  group and the prefetched next one; in backward, the re-gathered current group and the prefetched
-  previous one, the current group's full gradient buffer (``--reduce-dtype``), the reduce-scatter
-  still in flight on NCCL (one group; gloo finishes each at once), the group's fresh
+  group and the prefetched next ones; in backward, the re-gathered current group and the
+  prefetched previous ones, the current group's full gradient buffer (``--reduce-dtype``), the
+  reduce-scatters still in flight (the runtime's windows, ``raggedfsdp.sharding.schedule``: one
+  group ahead and, on NCCL, one reduce-scatter in flight, more of either while they total at
+  most ``LATENCY_BOUND_BYTES``; gloo finishes a larger one at once), the group's fresh
   ``--param-dtype`` gradients, held until its last one arrives (the larger of "all held beside
   the parameters" and "all held beside the gradient buffer, the parameters freed"), and the
-  sharded gradients of the groups already reduced. (On gloo the all-gather is an in-place OR
-  all-reduce, so no collective stages a copy of a full buffer there.) A root group stays
+  sharded gradients of the groups already reduced. (On gloo the all-gather is an exchange of
+  point-to-point messages into the buffer and a reduce-scatter an in-place all-reduce, or at
+  W=2 an exchange too, so no collective stages a copy of a full buffer there.) A root group stays
   gathered from its forward to its backward (``fully_shard``'s default, FSDP2's schedule). Tied
   to its embedding (no output map of its own) it is read to the end of backward and holds its
   fresh gradients until the lookup's, the last, arrives; untied, its backward (the head's) is
-  the first, beside the prefetched last block, after which it is reduced and freed, and its
+  the first, beside the prefetched last blocks, after which it is reduced and freed, and its
   embedding tables (planned into a group of their own) are freed after forward.
 
 The total is the persistent part plus the largest phase. Activations and optimizer-step
@@ -88,6 +91,7 @@ from raggedfsdp.capacity.tp_plan import (
 )
 from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
 from raggedfsdp.sharding.planner import Layout, TensorSpec, plan_layout
+from raggedfsdp.sharding.schedule import prefetch_ends, reduces_in_flight
 from raggedfsdp.sharding.units import expert_notes, resolve_units
 
 __all__ = ["Estimate", "GroupPlan", "estimate", "per_rank"]
@@ -357,6 +361,34 @@ def _float8(
     }
 
 
+def _schedule(
+    window: list[GroupPlan],
+    full: list[float],
+    grad_full: list[float],
+    settings: Settings,
+) -> tuple[list[float], list[float], list[float]]:
+    """The runtime's prefetch and reduce-scatter windows (``raggedfsdp.sharding.schedule``)
+    over the blocks, per block ``i``: the bytes prefetched beside its forward (``ahead``) and
+    its backward (``behind``; ``behind[n]``: beside the root's, which comes first), and the
+    full gradient buffers of later blocks still being reduced at its flush (``in_flight``).
+    The windows go by the gathered parameter bytes (FP8 payloads aside), as the runtime's; the
+    root's place is first in both passes (its own size is in no window)."""
+    n = len(window)
+    gathered = [_ranks(p) * p.segment * settings.precision.bytes("param") for p in window]
+    ends = prefetch_ends([0.0, *gathered], n + 1)  # forward: the root, then the blocks
+    ahead = [sum(full[i + 1 : ends[i + 1]]) for i in range(n)]
+    ends = prefetch_ends([0.0, *gathered[::-1]], n + 1)  # backward: the root, then reversed
+    # place q of the backward pass is block n - q; its window reaches block n - ends[q]
+    behind = [sum(full[n - ends[n - i] : i]) for i in range(n)] + [sum(full[n - ends[0] :])]
+    nccl = settings.backend == "nccl"
+    in_flight = []
+    for i in range(n):  # after block i + 1's reduction started: the newest, i + 1, last
+        started = grad_full[i + 1 :][::-1]
+        keep = reduces_in_flight(started, at_least_one=nccl) if started else 0
+        in_flight.append(sum(started[len(started) - keep :]))
+    return ahead, behind, in_flight
+
+
 def _memory(
     plans, sequence, settings: Settings, counters: int
 ) -> tuple[dict[str, float], str, dict[str, float]]:
@@ -387,28 +419,25 @@ def _memory(
     gathered_upto = np.cumsum(full) if window else []
     names = [p.group.name for p in window]
 
-    nccl = settings.backend == "nccl"
     phases: list[tuple[float, float, str]] = []  # (unsharded bytes, sharded grads, label)
     n = len(window)
+    ahead, behind, in_flight = _schedule(window, full, grad_full, settings)
     for i in range(n):
-        ahead = full[i + 1] if i + 1 < n else 0.0
-        fwd = full[i] + ahead if settings.reshard_after_forward else gathered_upto[i] + ahead
-        phases.append((root_full + fwd, 0.0, f"forward of {names[i]}"))
-        behind = full[i - 1] if i > 0 else 0.0
-        params = full[i] + behind if settings.reshard_after_forward else gathered_upto[i]
-        in_flight = grad_full[i + 1] if nccl and i + 1 < n else 0.0
+        fwd = full[i] if settings.reshard_after_forward else gathered_upto[i]
+        phases.append((root_full + fwd + ahead[i], 0.0, f"forward of {names[i]}"))
+        params = full[i] + behind[i] if settings.reshard_after_forward else gathered_upto[i]
         # what stays gathered beside the flush: the prefetched previous group, or without
         # resharding after forward every earlier one (each is freed in its own backward)
-        earlier = behind if settings.reshard_after_forward else params - full[i]
-        flush = earlier + held[i] + grad_full[i] + in_flight
+        earlier = behind[i] if settings.reshard_after_forward else params - full[i]
+        flush = earlier + held[i] + grad_full[i] + in_flight[i]
         unsharded = root_kept + root_held + max(params + held[i], flush)
         phases.append((unsharded, later[i] + root_sharded, f"backward of {names[i]}"))
     if tied:
         root_grads = sum(_ranks(p) * p.segment * rb for p in tied)
         phases.append((root_kept + root_held + root_grads, sum(sharded), "backward of the root"))
-    for p in untied:  # the head's backward, the last block prefetched beside it
+    for p in untied:  # the head's backward, the last blocks prefetched beside it
         read = _read_in_backward(p) * pb
-        beside = (full[-1] if window else 0.0) + root_kept + root_held
+        beside = behind[n] + root_kept + root_held
         flush = read + _ranks(p) * p.segment * rb  # its fresh gradients, then the flat buffer
         phases.append((beside + max(2 * read, flush), 0.0, "backward of the root"))
     all_grads = segments * mb

@@ -6,6 +6,7 @@ for how async handles and communication streams keep CUDA memory safe without ``
 
 from raggedfsdp.comm.collectives import (
     GATHER_TAG,
+    REDUCE_TAG,
     ReduceKind,
     all_gather_flat,
     all_reduce_flat,
@@ -26,6 +27,7 @@ from raggedfsdp.comm.mesh import (
 
 __all__ = [
     "GATHER_TAG",
+    "REDUCE_TAG",
     "CollectiveError",
     "CommHandle",
     "ReduceKind",

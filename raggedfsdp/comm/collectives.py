@@ -20,9 +20,11 @@ Backend notes (torch 2.13):
   into their segments of the buffer, ``2 (W - 1)`` point-to-point messages tagged
   :data:`GATHER_TAG`, in place and bit-exact, each rank sending ``(W - 1) S`` as a ring would.
   About 2-3x faster than ``all_gather_single`` or a bitwise-OR all-reduce of the zero-filled
-  buffer at 1-48 MiB, W=2 and 4 (BENCHMARKS.md, ``benchmarks/gloo_gather.py``). A reduce-scatter
-  whose input is scratch is an in-place all-reduce. NCCL keeps its true all-gather and
-  reduce-scatter.
+  buffer at 1-48 MiB, W=2 and 4 (BENCHMARKS.md, ``benchmarks/gloo_gather.py``). The
+  reduce-scatter of two ranks is an exchange too (each sends the other its segment, tagged
+  :data:`REDUCE_TAG`, and adds the one it receives: half an all-reduce's traffic, gloo's bits);
+  at W >= 3 one whose input is scratch is an in-place all-reduce. NCCL keeps its true
+  all-gather and reduce-scatter.
 
 Every function returns a :class:`~raggedfsdp.comm.handle.CommHandle`; with ``async_op=False`` it
 is already complete. ``comm_stream`` (CUDA only) runs the collective on a dedicated stream; see
@@ -51,6 +53,7 @@ from raggedfsdp.comm.mesh import group_rank, group_size
 
 __all__ = [
     "GATHER_TAG",
+    "REDUCE_TAG",
     "ReduceKind",
     "all_gather_flat",
     "all_reduce_flat",
@@ -62,6 +65,8 @@ ReduceKind = Literal["avg", "sum"]
 # The tag of gloo's all-gather exchange messages: traffic counters tell them from other
 # point-to-point traffic (pipeline stages) by it.
 GATHER_TAG = 0x4147
+# The tag of gloo's two-rank reduce-scatter exchange messages, counted the same way.
+REDUCE_TAG = 0x5253
 _REDUCE_OPS = {"avg": ReduceOp.AVG, "sum": ReduceOp.SUM}
 
 
@@ -173,6 +178,8 @@ def reduce_scatter_flat(
     if world == 1:
         _copy_unless_same(shard_out, full_in)
         return CommHandle()
+    if not full_in.is_cuda and world == 2 and dist.get_backend(group) == "gloo":
+        return _pair_reduce_scatter(shard_out, full_in, group, op, async_op, rank)
     if scratch_input and dist.get_backend(group) == "gloo":
         size = shard_out.numel()
         segment = full_in[rank * size : (rank + 1) * size]
@@ -191,6 +198,37 @@ def reduce_scatter_flat(
         async_op,
         comm_stream,
     )
+
+
+def _pair_reduce_scatter(
+    shard_out: Tensor,
+    full_in: Tensor,
+    group: ProcessGroup | None,
+    op: ReduceKind,
+    async_op: bool,
+    rank: int,
+) -> CommHandle:
+    """gloo's reduce-scatter of two ranks as the exchange it is: each sends the other its
+    segment of ``full_in`` (tagged :data:`REDUCE_TAG`) and adds the one it receives to its own,
+    half an all-reduce's traffic. ``a + b`` is ``b + a`` bit for bit, and gloo's average is
+    the sum halved, so the result is gloo's all-reduce's to the last bit."""
+    size = shard_out.numel()
+    mine = full_in[rank * size : (rank + 1) * size]
+    theirs = full_in[(1 - rank) * size : (2 - rank) * size]
+    inbox = torch.empty_like(shard_out) if overlaps(shard_out, full_in) else shard_out
+    pg = dist.group.WORLD if group is None else group
+
+    def exchange(_: bool) -> Works:
+        return Works(
+            [pg.send([theirs], 1 - rank, REDUCE_TAG), pg.recv([inbox], 1 - rank, REDUCE_TAG)]
+        )
+
+    def add() -> None:
+        torch.add(inbox, mine, out=shard_out)
+        if op == "avg":
+            shard_out.div_(2)
+
+    return launch(exchange, (shard_out, full_in, inbox), async_op, None, then=add)
 
 
 def all_reduce_flat(

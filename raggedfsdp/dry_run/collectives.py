@@ -7,8 +7,9 @@ raggedfsdp and of FSDP2 with one rule, on the fake process group and on gloo or 
 A collective's bytes are its whole buffer: the gathered output of an all-gather, the input
 of a reduce-scatter, the tensor of an all-reduce, the input of an all-to-all (what this rank
 sends); a ring moves ``(W - 1) / W`` of that over the wire. raggedfsdp's gloo all-gather is an
-exchange of point-to-point messages tagged ``GATHER_TAG`` (``raggedfsdp.comm.collectives``):
-it counts as the all-gather it is, once, at its send to the next rank.
+exchange of point-to-point messages tagged ``GATHER_TAG`` (``raggedfsdp.comm.collectives``),
+and its two-rank reduce-scatter one tagged ``REDUCE_TAG``: each counts as the collective it is,
+once, at its send to the next rank.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from raggedfsdp.comm import GATHER_TAG
+from raggedfsdp.comm import GATHER_TAG, REDUCE_TAG
 
 __all__ = ["CollectiveCounter"]
 
@@ -38,6 +39,8 @@ _KINDS = {
     _c10d.alltoall_.default: ("all_to_all", 1),
     _c10d.broadcast_.default: ("broadcast", 0),
 }
+
+_EXCHANGES = {GATHER_TAG: "all_gather", REDUCE_TAG: "reduce_scatter"}  # by their messages' tag
 
 
 def _nbytes(value: object) -> int:
@@ -67,10 +70,10 @@ class CollectiveCounter(TorchDispatchMode):
         if kind is not None:
             name, index = kind
             self._count(name, _nbytes(args[index]))
-        elif func is _c10d.send.default and args[3] == GATHER_TAG:
+        elif func is _c10d.send.default and args[3] in _EXCHANGES:
             group = dist.ProcessGroup.unbox(args[1])
             if args[2] == (group.rank() + 1) % group.size():
-                self._count("all_gather", _nbytes(args[0]) * group.size())
+                self._count(_EXCHANGES[args[3]], _nbytes(args[0]) * group.size())
         return func(*args, **(kwargs or {}))
 
     def _count(self, name: str, size: int) -> None:

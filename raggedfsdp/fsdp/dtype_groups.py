@@ -122,6 +122,18 @@ class DtypeGroups:
         return sum(part.all_gather_bytes for part in self.parts)
 
     @property
+    def gathered_bytes(self) -> int:
+        return sum(part.gathered_bytes for part in self.parts)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return sum(part.gradient_bytes for part in self.parts)
+
+    @property
+    def finish_is_local(self) -> bool:
+        return all(part.finish_is_local for part in self.parts)
+
+    @property
     def num_trainable(self) -> int:
         return sum(part.num_trainable for part in self.parts)
 

@@ -396,6 +396,18 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    @property
+    def gathered_bytes(self) -> int:
+        """The bytes an all-gather of the group holds: its unsharded parameters."""
+        full = self.compute.full
+        return full.numel() * full.element_size()
+
+    @property
+    def gradient_bytes(self) -> int:
+        """The bytes of the full gradient buffer a reduce-scatter holds until it finishes."""
+        full = self.grads.full
+        return full.numel() * full.element_size()
+
     def _master_version(self) -> int:
         """Grows with every in-place write to the sharded parameters: through the parameters
         (an optimizer step; RaggedTensor's dispatch writes the local pieces below autograd, so
@@ -590,6 +602,11 @@ class ParamGroup:
 
     def reduce_completed(self) -> bool:
         return self._reduce is None or self._reduce[0].is_completed()
+
+    @property
+    def finish_is_local(self) -> bool:
+        """Whether ``finish_reduce`` runs no collective (HSDP's replicate all-reduce)."""
+        return not (self.mesh.is_hsdp and self.requires_all_reduce)
 
     @property
     def reduce_pending(self) -> bool:

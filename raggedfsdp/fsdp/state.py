@@ -54,6 +54,7 @@ from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.outputs import output_tensors
 from raggedfsdp.fsdp.param_group import ParamGroup
+from raggedfsdp.sharding.schedule import MAX_IN_FLIGHT, prefetch_ends, reduces_in_flight
 
 __all__ = [
     "STATE_ATTR",
@@ -107,7 +108,8 @@ class RootContext:
         self.states = states
         self.forward_order: list[FSDPState] = []
         self.order_recorded = False
-        self._positions: dict[FSDPState, int] = {}  # forward_order's index, once recorded
+        self._plans: tuple[_PrefetchPlan, _PrefetchPlan] | None = None  # once recorded
+        self._frontier = {False: -1, True: -1}  # furthest position prefetched, per pass
         self.backward_active = False
         self.reducing: list[ParamGroup] = []  # reduce-scatters in flight, oldest first
         self.final: set[int] = set()  # ids of sharded params whose .grad this backward set
@@ -125,29 +127,32 @@ class RootContext:
                 self._streams[device] = (torch.cuda.Stream(), torch.cuda.Stream())
         return self._streams[device]
 
-    def next_after(self, state: FSDPState, step: int) -> FSDPState | None:
-        """The state that ran ``step`` places after ``state`` in the last forward."""
+    def prefetch_targets(self, state: FSDPState, backward: bool) -> list[FSDPState]:
+        """The states whose all-gathers ``state``'s hook starts in this pass (forward, or
+        backward: the root's layers first, then the others in reverse forward order): those of
+        its prefetch window (``_PrefetchPlan``: the next group, more while they are small,
+        ``raggedfsdp.sharding.schedule``) that no earlier hook of the pass started."""
         if not self.order_recorded:
-            return None
-        if len(self._positions) != len(self.forward_order):  # a lookup, not a scan, per hook
-            self._positions = {s: i for i, s in enumerate(self.forward_order)}
-        i = self._positions.get(state)
+            return []
+        if self._plans is None:
+            order = self.forward_order
+            self._plans = (_PrefetchPlan.forward(order), _PrefetchPlan.backward(order))
+        plan = self._plans[backward]
+        i = plan.position.get(state)
         if i is None:
-            return None
-        i += step
-        return self.forward_order[i] if 0 <= i < len(self.forward_order) else None
+            return []
+        start, end = max(i + 1, self._frontier[backward] + 1), plan.ends[i]
+        self._frontier[backward] = max(self._frontier[backward], end)
+        return plan.sequence[start : end + 1]
 
-    def next_in_backward(self, state: FSDPState) -> FSDPState | None:
-        """Backward runs the root's own layers first (the head), then the other modules in
-        reverse forward order."""
-        if state.is_root and self.order_recorded:
-            last = self.forward_order[-1]
-            return last if last is not state else None
-        return self.next_after(state, -1)
+    def start_forward(self) -> None:
+        """A new forward pass: its prefetches start again from the first group."""
+        self._frontier[False] = -1
 
     def start_backward(self) -> None:
         if not self.backward_active:
             self.backward_active = True
+            self._frontier[True] = -1
             self.final.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
@@ -167,25 +172,33 @@ class RootContext:
         return all(id(p) in self.final for p in params if p.requires_grad)
 
     def reduce(self, group: ParamGroup) -> None:
-        """Start ``group``'s reduce-scatter. On CUDA one stays in flight on its stream,
-        overlapping the next group's backward, and is finished when the next one starts, so
-        full gradient buffers never pile up. gloo only progresses (and reports completion of)
-        async work when it is waited on, so on CPU it is finished right away, which frees the
-        buffers (and gloo's internal copy of the input) at once."""
+        """Start ``group``'s reduce-scatter. The newest ones whose full gradient buffers total
+        at most ``LATENCY_BOUND_BYTES`` stay in flight (``raggedfsdp.sharding.schedule``),
+        overlapping the next groups' backward (on CUDA at least one, on its stream); older
+        ones are finished, so large buffers never pile up. On CPU a large group's is finished
+        right away, which frees the buffer (and gloo's internal copy of the input) at once."""
         # every gradient is in: free the parameters before the flat buffer is filled
         group.reshard(free=group.reshard_after_backward)
         group.reduce_grads()
         self.reducing.append(group)
-        in_flight = 1 if group.device.type == "cuda" else 0
-        while len(self.reducing) > in_flight:
+        sizes = [g.gradient_bytes for g in self.reducing[-MAX_IN_FLIGHT:]]
+        keep = reduces_in_flight(sizes, at_least_one=group.device.type == "cuda")
+        while len(self.reducing) > keep:
             self.finish_reduce(self.reducing.pop(0))
         self.release_finished_reduces()
 
     def release_finished_reduces(self) -> None:
-        """Finish reduce-scatters that are already done, freeing their full gradient buffers."""
-        for group in [g for g in self.reducing if g.reduce_completed()]:
-            self.reducing.remove(group)
-            self.finish_reduce(group)
+        """Finish the oldest reduce-scatters while they are done, freeing their full gradient
+        buffers. Oldest first and only those whose finish is local: when a reduction is done
+        differs between ranks, so one whose finish starts a collective (HSDP's replicate
+        all-reduce) waits for its turn in ``reduce``, where every rank finishes it at the same
+        point of the step, in the same order."""
+        while (
+            self.reducing
+            and self.reducing[0].finish_is_local
+            and self.reducing[0].reduce_completed()
+        ):
+            self.finish_reduce(self.reducing.pop(0))
 
     def reset(self) -> None:
         """Forget a backward that an error aborted (its end-of-backward callback never ran):
@@ -389,10 +402,12 @@ class FSDPState:
             if self.forward_only is not None:
                 self._input_nodes.update(_autograd_nodes((args, kwargs)))
         if first_to_run:
-            targets = [ctx.next_after(self, +1)]
-            if self.forward_prefetch is not None:
-                targets = self.forward_prefetch
-            _prefetch([g for s in targets if s is not None for g in s.groups])
+            if self.is_root:
+                ctx.start_forward()
+            targets = self.forward_prefetch
+            if targets is None:
+                targets = ctx.prefetch_targets(self, backward=False)
+            _prefetch([g for s in targets for g in s.groups])
         mp = self.mp_policy
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
@@ -471,9 +486,10 @@ class FSDPState:
             # recomputation (activation checkpointing) may run forward code that does not
             # pass through this module's hooks (e.g. a checkpointed inner forward)
             self.group.use_unsharded_params()
-        default = [] if regathered_root else [ctx.next_in_backward(self)]
-        targets = default if self.backward_prefetch is None else self.backward_prefetch
-        _prefetch([s.group for s in targets if s is not None and s.needs_backward_gather])
+        targets = self.backward_prefetch
+        if targets is None:
+            targets = [] if regathered_root else ctx.prefetch_targets(self, backward=True)
+        _prefetch([s.group for s in targets if s.needs_backward_gather])
 
     @property
     def needs_backward_gather(self) -> bool:
@@ -566,6 +582,32 @@ def _leaves(tree: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[list[Any], Ca
         return list(args), lambda flat: (tuple(flat), kwargs)
     flat, spec = tree_flatten(tree)
     return flat, lambda flat: tree_unflatten(flat, spec)
+
+
+class _PrefetchPlan:
+    """One pass's order of hooks, planned once the forward order is recorded: ``sequence`` the
+    states in the order their groups are needed, ``position`` each hook's place in it, and
+    ``ends[i]`` the last place the hook at ``i`` prefetches up to (``prefetch_ends``)."""
+
+    def __init__(self, sequence: list[FSDPState], hooks: int, sizes: list[int]) -> None:
+        self.sequence = sequence
+        self.position = {state: i for i, state in enumerate(sequence[:hooks])}
+        self.ends = prefetch_ends(sizes, hooks)
+
+    @classmethod
+    def forward(cls, order: list[FSDPState]) -> _PrefetchPlan:
+        sizes = [sum(g.gathered_bytes for g in s.groups) for s in order]
+        return cls(order, len(order), sizes)
+
+    @classmethod
+    def backward(cls, order: list[FSDPState]) -> _PrefetchPlan:
+        """The root's layers (the head) first, the others in reverse forward order, and last
+        the root again: the first block may prefetch a root that backward still reads."""
+        if len(order) < 2:
+            return cls(order, len(order), [0] * len(order))
+        sequence = [order[0], *order[:0:-1], order[0]]
+        sizes = [s.group.gathered_bytes if s.group is not None else 0 for s in sequence]
+        return cls(sequence, len(order), sizes)
 
 
 def _prefetch(groups: list[ParamGroup]) -> None:

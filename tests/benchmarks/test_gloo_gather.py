@@ -1,5 +1,6 @@
-"""The gloo all-gather benchmark at a toy size: every method's gathered buffer is checked bit
-for bit inside the ranks (the script fails otherwise); times are not asserted."""
+"""The gloo collectives benchmark at a toy size: every method's gathered buffer and reduced
+segment is checked bit for bit inside the ranks (the script fails otherwise); times are not
+asserted."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tests.benchmarks.cli import BENCHMARKS, refusal
 
 
 def test_runs_and_reports_every_method() -> None:
-    argv = ["--world-sizes", "3", "--mib", "0.001", "--repeats", "1"]
+    argv = ["--world-sizes", "2", "3", "--mib", "0.001", "--repeats", "1"]
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "gloo_gather.py"), *argv],
         capture_output=True,
@@ -22,8 +23,10 @@ def test_runs_and_reports_every_method() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [(row["world"], row["mib"]) for row in rows] == [(3, 0.001)]
-    assert all(rows[0][m] > 0 for m in ("exchange", "or_all_reduce", "all_gather_single"))
+    assert [(row["world"], row["mib"]) for row in rows] == [(2, 0.001), (3, 0.001)]
+    methods = ("exchange", "or_all_reduce", "all_gather_single")
+    methods += ("reduce_scatter_flat", "all_reduce", "reduce_scatter_single")
+    assert all(row[m] > 0 for row in rows for m in methods)
 
 
 @pytest.mark.parametrize(

@@ -103,6 +103,30 @@ def _check_reduce_scatter() -> None:
     _assert_close(shard_out, reference[rank * size : (rank + 1) * size])
 
 
+def _check_reduce_scatter_is_the_all_reduce_bit_for_bit() -> None:
+    """Real floats, every dtype a gradient is reduced in: this rank's segment of gloo's own
+    all-reduce, which it is at W >= 3 for a scratch input; at W=2 it is an exchange of segments
+    point to point (half the traffic), which a traffic counter sees as one reduce-scatter of
+    the whole buffer."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for dtype, op, in_place in itertools.product(
+        (torch.float32, torch.bfloat16), ("sum", "avg"), (False, True)
+    ):
+        full_in = _randn(rank, world * 9).to(dtype)
+        expected = full_in.clone()
+        dist.all_reduce(expected, op=dist.ReduceOp.AVG if op == "avg" else dist.ReduceOp.SUM)
+        shard_out = full_in[rank * 9 : rank * 9 + 9] if in_place else torch.empty(9, dtype=dtype)
+        with CollectiveCounter() as counter:
+            handle = reduce_scatter_flat(
+                shard_out, full_in, op=op, async_op=True, scratch_input=True
+            )
+            handle.wait()
+        assert torch.equal(shard_out, expected[rank * 9 : rank * 9 + 9]), (dtype, op, in_place)
+        kind = {1: None, 2: "reduce_scatter"}.get(world, "all_reduce")
+        assert dict(counter.calls) == ({kind: 1} if kind else {}), dict(counter.calls)
+        assert counter.bytes[kind] == (full_in.numel() * full_in.element_size() if kind else 0)
+
+
 def _check_all_reduce() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for op, async_op in itertools.product(("sum", "avg"), (False, True)):
@@ -302,6 +326,7 @@ def _strict(check: Callable[[], None]) -> None:
     [
         _check_all_gather,
         _check_reduce_scatter,
+        _check_reduce_scatter_is_the_all_reduce_bit_for_bit,
         _check_all_reduce,
         _check_all_to_all,
         _check_many_in_flight,

@@ -67,7 +67,14 @@ def _stamp(output: str, event: str) -> float:
         # re-gathers backward (the root is kept) and 4 reductions per step; Muon: 2
         # all-to-alls per step)
         ("all_gather_flat", 12, "adamw", "raggedfsdp: all-gather of fully_shard group"),
-        ("reduce_scatter_flat", 6, "adamw", "raggedfsdp: reduce-scatter of fully_shard group"),
+        # a small group's reduce-scatter stays in flight while backward goes on: the survivors
+        # may meet the loss first in the next group's prefetched all-gather
+        (
+            "reduce_scatter_flat",
+            6,
+            "adamw",
+            "raggedfsdp: (reduce-scatter|all-gather) of fully_shard group",
+        ),
         ("all_to_all_uneven", 3, "muon", "raggedfsdp: all-to-all of matrix pieces to their owners"),
     ],
     ids=["forward-all-gather", "backward-reduce-scatter", "muon-all-to-all"],
@@ -83,7 +90,7 @@ def test_a_killed_rank_fails_the_others_fast_and_clearly(
     for rank in (0, 2):
         code, output = results[rank]
         assert code != 0, f"rank {rank} finished although a peer died ({collective})"
-        errors = [line for line in output.splitlines() if expected in line]
+        errors = [line for line in output.splitlines() if re.search(expected, line)]
         assert errors, output[-2000:]
         # detected from the lost connection, not by waiting out the timeout: gloo says which
         assert PEER_LOST.search(errors[-1]), errors[-1]

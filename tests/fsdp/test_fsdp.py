@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import raggedfsdp.fsdp.param_group as param_group_module
+import raggedfsdp.sharding.schedule as schedule
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.fsdp import FSDPModule
 from raggedfsdp.fsdp.state import in_backward
@@ -503,7 +504,13 @@ def test_frozen_parameters_read_after_the_trainable_gradients_stay_gathered_unti
 
 def _gathered_at_each_backward_all_gather(root_reshard: bool | None) -> list[int]:
     """How many groups hold gathered parameters each time backward starts an all-gather
-    (``root_reshard``: the root's ``reshard_after_forward``)."""
+    (``root_reshard``: the root's ``reshard_after_forward``), with the groups taken as above
+    the latency bound (``LATENCY_BOUND_BYTES`` at 0: one group prefetched at a time)."""
+    with mock.patch.object(schedule, "LATENCY_BOUND_BYTES", 0):
+        return _gathered_in_backward(root_reshard)
+
+
+def _gathered_in_backward(root_reshard: bool | None) -> list[int]:
     model = make_model()
     for layer in model.layers:
         fully_shard(layer)

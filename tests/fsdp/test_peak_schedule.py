@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import pytest
 
+from raggedfsdp.sharding import schedule
 from recipes.llama import dry_run as recipe_dry_run
 from recipes.llama.config import parse_args
 
@@ -82,8 +83,9 @@ def _steady_run(
     case: str, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]:
     """Per runtime, the steady step's report, and the most groups gathered (or gathering) at
-    once in forward and in backward, counted after every ``unshard`` of its schedule. The count
-    holds no tensor (a weak set of groups), so the report is the uncounted run's."""
+    once in forward and in backward, counted after every ``unshard`` of its schedule (for ours
+    also their bytes, ``"<phase> bytes"``). The count holds no tensor (a weak set of groups),
+    so the report is the uncounted run's."""
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
     from raggedfsdp.fsdp.param_group import ParamGroup
@@ -100,7 +102,12 @@ def _steady_run(
             _original(group, *args, **kwargs)
             _seen.add(group)
             phase = "backward" if in_backward() else "forward"
-            _counts[phase] = max(_counts[phase], sum(_gathered(g) for g in _seen))
+            gathered = [g for g in _seen if _gathered(g)]
+            _counts[phase] = max(_counts[phase], len(gathered))
+            if isinstance(group, ParamGroup):
+                held = sum(g.gathered_bytes for g in gathered)
+                _counts[f"{phase} bytes"] = max(_counts.get(f"{phase} bytes", 0), held)
+                _counts["largest"] = max(_counts.get("largest", 0), group.gathered_bytes)
 
         monkeypatch.setattr(cls, "unshard", unshard)
         request = recipe_dry_run.DryRun(0, WORLD, "fake")
@@ -109,29 +116,46 @@ def _steady_run(
 
 
 @pytest.fixture(scope="module")
-def steady() -> Callable[[str], tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]]:
-    """``_steady_run`` of a case, run once for both tests that read it (a dry run per runtime
-    is the cost of this module)."""
-    runs: dict[str, tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]] = {}
+def steady() -> Callable[..., tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]]:
+    """``_steady_run`` of a case, run once for the tests that read it (a dry run per runtime
+    is the cost of this module); ``latency_bound`` replaces ``LATENCY_BOUND_BYTES``."""
+    runs: dict[tuple[str, int | None], tuple] = {}
 
-    def get(case: str) -> tuple[dict[str, recipe_dry_run.StepReport], dict[str, dict]]:
-        if case not in runs:
+    def get(case: str, latency_bound: int | None = None) -> tuple:
+        if (case, latency_bound) not in runs:
             with pytest.MonkeyPatch.context() as monkeypatch:
-                runs[case] = _steady_run(case, monkeypatch)
-        return runs[case]
+                if latency_bound is not None:
+                    monkeypatch.setattr(schedule, "LATENCY_BOUND_BYTES", latency_bound)
+                runs[case, latency_bound] = _steady_run(case, monkeypatch)
+        return runs[case, latency_bound]
 
     return get
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["gpt_oss_small", "dense"])
-def test_prefetch_depth_is_fsdp2s(steady, case: str) -> None:
-    """The schedule itself, not bytes. Backward: no more groups at once than FSDP2 (the
+@pytest.mark.parametrize(("case", "latency_bound"), [("gpt_oss_small", None), ("dense", 0)])
+def test_prefetch_depth_is_fsdp2s(steady, case: str, latency_bound: int | None) -> None:
+    """The schedule itself, not bytes, for groups above the latency bound (GPT-OSS's are; the
+    debug Llama's with the bound at 0). Backward: no more groups at once than FSDP2 (the
     running one and one prefetched). Forward: one more, the next group we prefetch explicitly;
     FSDP2 issues that all-gather when the CPU, running ahead of the GPU, reaches the next
     module, which a synchronous CPU count does not see. By bytes our forward peak is still
     below FSDP2's, whose copy-out holds the gathered buffer and per-parameter copies at once."""
-    _, most = steady(case)
+    _, most = steady(case, latency_bound)
     ours, theirs = most["raggedfsdp"], most["fsdp2"]
     assert ours["forward"] <= theirs["forward"] + 1, most
     assert ours["backward"] <= theirs["backward"], most
+
+
+@pytest.mark.slow
+def test_small_groups_prefetch_deeper_within_the_latency_bound(steady) -> None:
+    """The debug Llama's groups are far below ``LATENCY_BOUND_BYTES``: prefetching looks further
+    ahead (latency-bound gathers overlap), and what it holds beyond the running group and the
+    next stays within the bound."""
+    _, most = steady("dense")
+    ours, theirs = most["raggedfsdp"], most["fsdp2"]
+    assert ours["forward"] > theirs["forward"] + 1, most
+    bound = 2 * ours["largest"] + schedule.LATENCY_BOUND_BYTES
+    for phase in ("forward", "backward"):
+        assert ours[phase] <= 1 + schedule.MAX_IN_FLIGHT, most
+        assert ours[f"{phase} bytes"] <= bound, most
