@@ -108,13 +108,22 @@ def _exchange(
 
     The group's own ``send``/``recv`` take group ranks and skip ``dist.isend``'s per-call
     Python checks (already made once by the caller)."""
-    pg = dist.group.WORLD if group is None else group
+    pg = _process_group(group)
     size, works = shard.numel(), []
     for peer in range(world):
         if peer != rank:
             works.append(pg.send([shard], peer, GATHER_TAG))
             works.append(pg.recv([full[peer * size : (peer + 1) * size]], peer, GATHER_TAG))
     return Works(works)
+
+
+def _process_group(group: ProcessGroup | None) -> ProcessGroup:
+    return dist.group.WORLD if group is None else group
+
+
+def _on_gloo_cpu(tensor: Tensor, group: ProcessGroup | None) -> bool:
+    """Whether the exchanges of point-to-point messages replace gloo's collectives."""
+    return not tensor.is_cuda and dist.get_backend(group) == "gloo"
 
 
 def all_gather_flat(
@@ -135,7 +144,7 @@ def all_gather_flat(
     if world == 1:
         _copy_unless_same(full, shard)
         return CommHandle()
-    if not full.is_cuda and dist.get_backend(group) == "gloo":
+    if _on_gloo_cpu(full, group):
         size = shard.numel()
         _copy_unless_same(full[rank * size : (rank + 1) * size], shard)
         return launch(
@@ -178,7 +187,7 @@ def reduce_scatter_flat(
     if world == 1:
         _copy_unless_same(shard_out, full_in)
         return CommHandle()
-    if not full_in.is_cuda and world == 2 and dist.get_backend(group) == "gloo":
+    if world == 2 and _on_gloo_cpu(full_in, group):
         return _pair_reduce_scatter(shard_out, full_in, group, op, async_op, rank)
     if scratch_input and dist.get_backend(group) == "gloo":
         size = shard_out.numel()
@@ -216,7 +225,7 @@ def _pair_reduce_scatter(
     mine = full_in[rank * size : (rank + 1) * size]
     theirs = full_in[(1 - rank) * size : (2 - rank) * size]
     inbox = torch.empty_like(shard_out) if overlaps(shard_out, full_in) else shard_out
-    pg = dist.group.WORLD if group is None else group
+    pg = _process_group(group)
 
     def exchange(_: bool) -> Works:
         return Works(

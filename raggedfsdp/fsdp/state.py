@@ -54,7 +54,7 @@ from raggedfsdp.comm.fingerprint import check_fingerprint
 from raggedfsdp.fsdp.mixed_precision import MixedPrecisionPolicy
 from raggedfsdp.fsdp.outputs import output_tensors
 from raggedfsdp.fsdp.param_group import ParamGroup
-from raggedfsdp.sharding.schedule import MAX_IN_FLIGHT, prefetch_ends, reduces_in_flight
+from raggedfsdp.sharding.schedule import prefetch_ends, reduces_in_flight
 
 __all__ = [
     "STATE_ATTR",
@@ -181,7 +181,7 @@ class RootContext:
         group.reshard(free=group.reshard_after_backward)
         group.reduce_grads()
         self.reducing.append(group)
-        sizes = [g.gradient_bytes for g in self.reducing[-MAX_IN_FLIGHT:]]
+        sizes = [g.gradient_bytes for g in self.reducing]
         keep = reduces_in_flight(sizes, at_least_one=group.device.type == "cuda")
         while len(self.reducing) > keep:
             self.finish_reduce(self.reducing.pop(0))
