@@ -91,7 +91,7 @@ from raggedfsdp.capacity.tp_plan import (
 )
 from raggedfsdp.sharding.baselines import fsdp2_cuts_units, fsdp2_padding
 from raggedfsdp.sharding.planner import Layout, TensorSpec, plan_layout
-from raggedfsdp.sharding.schedule import prefetch_ends, reduces_in_flight
+from raggedfsdp.sharding.schedule import gathers_a_copy, prefetch_ends, reduces_in_flight
 from raggedfsdp.sharding.units import expert_notes, resolve_units
 
 __all__ = ["Estimate", "GroupPlan", "estimate", "per_rank"]
@@ -374,7 +374,7 @@ def _schedule(
     The windows go by the gathered parameter bytes (FP8 payloads aside), as the runtime's; the
     root's place is first in both passes (its own size is in no window)."""
     n = len(window)
-    gathered = [_ranks(p) * p.segment * settings.precision.bytes("param") for p in window]
+    gathered = [_gathered_bytes(p, settings, payload=False) for p in window]
     ends = prefetch_ends([0.0, *gathered], n + 1)  # forward: the root, then the blocks
     ahead = [sum(full[i + 1 : ends[i + 1]]) for i in range(n)]
     ends = prefetch_ends([0.0, *gathered[::-1]], n + 1)  # backward: the root, then reversed
@@ -396,23 +396,21 @@ def _memory(
     mb, pb, rb = prec.bytes("master"), prec.bytes("param"), prec.bytes("reduce")
     segments = sum(p.instances * p.segment for p in plans)
     state = sum(p.instances * p.state for p in plans) + counters
-    fp8 = settings.all_gather != "param"
     # no persistent param-dtype copy: each gather casts (or quantizes) the master segment
     persistent = segments * mb + float(state.max())
 
     window = [p for p, root in sequence if not root]
     roots = [p for p, root in sequence if root]
-    # the FP8 payload lives beside the param-dtype buffer from its gather until unpacked
-    full = [_ranks(p) * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in window]
+    full = [_gathered_bytes(p, settings) for p in window]
     grad_full = [_ranks(p) * p.segment * rb for p in window]
     held = [p.layout.numel * pb for p in window]  # a group's fresh gradients, before the copy
     sharded = [p.segment * mb for p in window]
-    root_full = sum(_ranks(p) * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in roots)
+    root_full = sum(_gathered_bytes(p, settings) for p in roots)
     # a tied root is read to the end of backward (the embedding's lookup gradient comes last);
     # an untied one only in its own backward, the first, after which it is reduced and freed
     tied = [p for p in roots if not _has_head(p)]
     untied = [p for p in roots if _has_head(p)]
-    root_kept = sum(_ranks(p) * (p.segment * pb + (p.gather_bytes if fp8 else 0)) for p in tied)
+    root_kept = sum(_gathered_bytes(p, settings) for p in tied)
     root_held = sum(p.layout.numel * pb for p in tied)  # their gradients wait for the last one
     root_sharded = sum(p.segment * mb for p in untied)  # reduced before any block's backward
     later = np.concatenate([np.cumsum(sharded[::-1])[::-1][1:], [0.0]]) if window else []
@@ -460,6 +458,18 @@ def _memory(
     return memory, label, totals
 
 
+def _gathered_bytes(plan: GroupPlan, settings: Settings, payload: bool = True) -> float:
+    """The bytes of a group's gathered buffer in the param dtype, with ``payload`` its FP8
+    payload beside it (from its gather until unpacked): none where the sharded memory is the
+    unsharded parameters (one shard rank, no cast: ``gathers_a_copy``, the runtime's rule)."""
+    prec, fp8 = settings.precision, settings.all_gather != "param"
+    casts = prec.param != prec.master
+    if not gathers_a_copy(_ranks(plan), casts=casts, offloaded=False, float8=fp8):
+        return 0.0
+    fp8_bytes = plan.gather_bytes if fp8 and payload else 0
+    return _ranks(plan) * (plan.segment * prec.bytes("param") + fp8_bytes)
+
+
 def _ranks(plan: GroupPlan) -> int:
     """The ranks the group is sharded over: ``dp_shard``, or ``dp_shard_mod_ep`` for EP's
     experts; its gathered buffers hold this many segments."""
@@ -474,7 +484,7 @@ def _expert_memory(plans: list[GroupPlan], settings: Settings) -> dict[str, floa
     experts = [p for p in plans if p.group.experts]
     segments = sum(p.instances * p.segment for p in experts)
     state = sum(p.instances * p.state for p in experts)
-    gathered = max(_ranks(p) * p.segment * prec.bytes("param") for p in experts)
+    gathered = max(_gathered_bytes(p, settings, payload=False) for p in experts)
     return {
         "expert_params": float(segments * prec.bytes("master")),
         "expert_grads": float(segments * prec.bytes("master")),

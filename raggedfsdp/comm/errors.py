@@ -7,8 +7,7 @@ a timeout, a broken network) is re-raised naming what was being communicated.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 __all__ = ["CollectiveError", "failing_as"]
 
@@ -17,13 +16,28 @@ class CollectiveError(RuntimeError):
     """A collective failed; the message names the operation, then the backend's error."""
 
 
-@contextmanager
-def failing_as(description: str) -> Iterator[None]:
+class failing_as:  # (lower case: a context manager, named as the function it replaced)
     """Re-raise ``RuntimeError``s (torch's ``DistBackendError`` included) as a
-    ``CollectiveError`` that starts with ``description``."""
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as err:
-        raise CollectiveError(f"raggedfsdp: {description} failed: {err}") from err
+    ``CollectiveError`` that starts with ``description``.
+
+    A class rather than a generator context manager: it wraps every collective of every group
+    each step, and one instance can be kept and entered again (two Python calls a use, where
+    ``contextlib.contextmanager`` makes five)."""
+
+    __slots__ = ("description",)
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        err: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if err is None or isinstance(err, CollectiveError) or not isinstance(err, RuntimeError):
+            return
+        raise CollectiveError(f"raggedfsdp: {self.description} failed: {err}") from err

@@ -50,6 +50,7 @@ from raggedfsdp.sharding import (
     resolve_units,
 )
 from raggedfsdp.sharding import plan_layout as _plan_layout
+from raggedfsdp.sharding.schedule import gathers_a_copy
 from raggedfsdp.sharding.units import expert_notes, float8_block_policy
 
 __all__ = ["ParamGroup", "is_plain_embedding_weight"]
@@ -174,7 +175,24 @@ class ParamGroup:
         self.device = device
         host = self.host_device
         pin = self.offload is not None and self.offload.pin_memory and host != device
-        self.master = FlatBuffer(self.layout, rank, self.orig_dtype, host, pin_memory=pin)
+        # One rank holding the whole group in the dtype it computes in: the sharded and the
+        # unsharded parameters are views of one buffer, nothing is ever gathered, copied or
+        # freed (FSDP2 copies the shard into a gathered buffer and frees it, twice a step,
+        # even for one rank)
+        self.shard_is_whole = not gathers_a_copy(
+            self.mesh.shard_size,
+            casts=compute_dtype != self.orig_dtype,
+            offloaded=self.offload is not None,
+            float8=self._float8 is not None,
+        )
+        self.master = FlatBuffer(
+            self.layout,
+            rank,
+            self.orig_dtype,
+            host,
+            persistent_full=self.shard_is_whole,
+            pin_memory=pin,
+        )
         self.compute = (
             self.master
             # under CPU offload always a buffer of its own on the device (on a CPU-only
@@ -199,6 +217,10 @@ class ParamGroup:
             view = self.compute.full_view(mp.fqn)
             unsharded = view if mp.tp is None else mp.tp.dtensor(view)
             mp.unsharded = nn.Parameter(unsharded, mp.requires_grad)
+        # each parameter's views of the gathered and gradient buffers, in order: taken by the
+        # hooks every step
+        self._compute_views = [self.compute.full_view(mp.fqn) for mp in self.params]
+        self._grad_views = [self.grads.full_view(mp.fqn) for mp in self.params]
 
     @property
     def parts(self) -> tuple[ParamGroup, ...]:
@@ -213,18 +235,25 @@ class ParamGroup:
             return self.device
         return torch.device("cpu")
 
+    def _comm_stream(self, which: int) -> torch.cuda.Stream | None:
+        """The side stream of the all-gathers (0) or reduce-scatters (1) on CUDA; elsewhere
+        none, known without asking the root (two collectives per group per step)."""
+        return self._comm_streams()[which] if self.device.type == "cuda" else None
+
     def _failing_as(self, collective: str) -> AbstractContextManager[None]:
-        key = (collective, self.name)  # the text is made once: four collectives per step
-        if key not in self._failure_texts:
-            self._failure_texts[key] = (
+        """The context that names this group's ``collective`` if it fails, made once: four
+        collectives per step."""
+        key = (collective, self.name)  # the root renames its groups at its set-up
+        if key not in self._failure_contexts:
+            self._failure_contexts[key] = failing_as(
                 f"{collective} of fully_shard group {self.name!r} ({len(self.params)} tensors, "
                 f"{self.layout.buffer_numel:,} elements) on shard rank {self.mesh.shard_rank} of "
                 f"{self.mesh.shard_size}"
             )
-        return failing_as(self._failure_texts[key])
+        return self._failure_contexts[key]
 
     @functools.cached_property
-    def _failure_texts(self) -> dict[tuple[str, str], str]:
+    def _failure_contexts(self) -> dict[tuple[str, str], failing_as]:
         return {}
 
     # ----------------------------------------------------------------------------- parameters
@@ -239,12 +268,11 @@ class ParamGroup:
 
     def use_unsharded_params(self) -> None:
         frozen_or_thawed = False  # (then what the bookkeeping checks changes too)
-        for mp in self.params:
+        for mp, view in zip(self.params, self._compute_views, strict=True):
             trainable = mp.sharded.requires_grad
             if mp.unsharded.requires_grad != trainable:
                 mp.unsharded.requires_grad_(trainable)
                 frozen_or_thawed = True
-            view = self.compute.full_view(mp.fqn)
             if mp.tp is None and not mp.unsharded.is_set_to(view):  # (TP: never rebound)
                 # A module moved the parameter onto storage of its own (an RNN's
                 # ``flatten_parameters`` on CUDA copies its weights into one cuDNN buffer and
@@ -358,6 +386,9 @@ class ParamGroup:
                 "module.to_empty(device=...) and initialise its parameters (e.g. "
                 "model.init_weights()) before the first forward"
             )
+        if self.shard_is_whole:  # the sharded parameters' memory is the unsharded one
+            self.is_unsharded = True
+            return
         kept = self.is_unsharded or self._post_forward is not None
         if kept and self._master_version() != self._gathered_version:  # (a pass over params)
             self.reshard()
@@ -365,42 +396,43 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
-        with torch.no_grad():
-            full = self.compute.alloc_full()
-            self._compute_version = full._version
-            if self._post_forward is not None:
-                mesh, chunk = self._post_forward
-            elif self._float8 is not None:  # quantize this rank's tiles into a byte payload
-                mesh = self.mesh
-                full, chunk = self._float8.pack(self.master, self.mesh.shard_rank)
-                self._payload = full
-                self._gathered_version = self._master_version()
-            else:
-                mesh, chunk = self.mesh, self.master.shard
-                if self.compute is not self.master:  # cast fp32 -> param_dtype in place (1/W)
-                    # (or, under CPU offload, copy host -> device; pinned: asynchronous)
-                    size, rank = chunk.numel(), self.mesh.shard_rank
-                    pinned = self.master.shard.is_pinned()
-                    mine = full[rank * size : (rank + 1) * size]
-                    chunk = mine.copy_(self.master.shard, non_blocking=pinned)
-                self._gathered_version = self._master_version()
-            self.all_gather_bytes += full.numel() * full.element_size()
-            with self._failing_as("all-gather"):
-                self._gather = all_gather_flat(
-                    full,
-                    chunk,
-                    mesh.shard_group,
-                    async_op=async_op,
-                    comm_stream=self._comm_streams()[0],
-                )
+        # plain buffers: autograd records none of this, in forward either (no context)
+        full = self.compute.alloc_full()
+        self._compute_version = full._version
+        if self._post_forward is not None:
+            mesh, chunk = self._post_forward
+        elif self._float8 is not None:  # quantize this rank's tiles into a byte payload
+            mesh = self.mesh
+            full, chunk = self._float8.pack(self.master, self.mesh.shard_rank)
+            self._payload = full
+            self._gathered_version = self._master_version()
+        else:
+            mesh, chunk = self.mesh, self.master.shard
+            if self.compute is not self.master:  # cast fp32 -> param_dtype in place (1/W)
+                # (or, under CPU offload, copy host -> device; pinned: asynchronous)
+                size, rank = chunk.numel(), self.mesh.shard_rank
+                pinned = self.master.shard.is_pinned()
+                mine = full[rank * size : (rank + 1) * size]
+                chunk = mine.copy_(self.master.shard, non_blocking=pinned)
+            self._gathered_version = self._master_version()
+        self.all_gather_bytes += full.numel() * full.element_size()
+        with self._failing_as("all-gather"):
+            self._gather = all_gather_flat(
+                full,
+                chunk,
+                mesh.shard_group,
+                async_op=async_op,
+                comm_stream=self._comm_stream(0),
+            )
         if not async_op:
             self.wait_for_unshard()
 
     @property
     def gathered_bytes(self) -> int:
-        """The bytes an all-gather of the group holds: its unsharded parameters."""
+        """The bytes an all-gather of the group holds: its unsharded parameters (none when
+        they are the sharded ones, ``shard_is_whole``)."""
         full = self.compute.full
-        return full.numel() * full.element_size()
+        return 0 if self.shard_is_whole else full.numel() * full.element_size()
 
     @property
     def gradient_bytes(self) -> int:
@@ -415,7 +447,7 @@ class ParamGroup:
         which the local pieces and their detached aliases (a state dict's tensors, which DCP
         loads into) view. Writes through ``p.data``, which torch hides from version counters on
         purpose, are not seen."""
-        return self.master.shard._version + sum(mp.sharded._version for mp in self.params)
+        return self.master.shard._version + sum([mp.sharded._version for mp in self.params])
 
     def wait_for_unshard(self) -> None:
         if self._gather is not None:
@@ -447,12 +479,16 @@ class ParamGroup:
         ``keep_for``, a subgroup of the shard ranks (``reshard_after_forward`` as an int), keeps
         a copy of this rank's chunk of the gathered buffer, ``1/keep_for.shard_size`` of it, so
         that backward gathers over the subgroup only (FSDP2 keeps the same memory)."""
+        if not (self.is_unsharded or self._gather is not None or self._post_forward is not None):
+            return  # nothing gathered or kept: the modules show the sharded parameters already
         if self._gather is not None:  # a prefetch that was never used: its buffer goes too
             self._wait_gather()
             self.is_unsharded = True
         self.use_sharded_params()
         self._post_forward = None
-        if self.is_unsharded and free:
+        if self.is_unsharded and free and self.shard_is_whole:
+            self.is_unsharded = False  # nothing to free: the memory is the sharded parameters'
+        elif self.is_unsharded and free:
             if self._float8 is not None:
                 self._float8.drop(self.params)
             if keep_for is not None:
@@ -482,7 +518,8 @@ class ParamGroup:
         param.grad = None
         if grad is None:
             return
-        grad = local_grad(grad, self.params[index])  # a TP gradient: its local tensor
+        if self.params[index].tp is not None:  # a TP gradient: its local tensor
+            grad = local_grad(grad, self.params[index])
         self.arrived.add(index)
         if self.grads.is_full_allocated:
             self._write_grad(index, grad)
@@ -530,7 +567,7 @@ class ParamGroup:
             self.grads.alloc_full()
             self.grads.zero_full_padding()
             self._received.clear()
-        view = self.grads.full_view(self.params[index].fqn)
+        view = self._grad_views[index]
         # A custom divide factor scales each gradient before the sum (NCCL's PreMulSum, as
         # FSDP2 does), in the reduce dtype, as it lands in the buffer: no extra pass.
         scale = None if self.gradient_divide_factor is None else 1 / self.gradient_divide_factor
@@ -575,21 +612,21 @@ class ParamGroup:
         asynchronous, finished by ``finish_reduce``."""
         self.flush_held_grads()
         self.reduce_started = True
-        with torch.no_grad():
-            for i, mp in enumerate(self.params):  # parameters that got no gradient this window
-                if i not in self._received and mp.requires_grad:
-                    self.grads.full_view(mp.fqn).zero_()
-            out = self.grads.full.new_empty(self.layout.segment_size)
-            with self._failing_as("reduce-scatter"):
-                handle = reduce_scatter_flat(
-                    out,
-                    self.grads.full,
-                    self.mesh.shard_group,
-                    op=self._reduce_op,
-                    async_op=True,
-                    comm_stream=self._comm_streams()[1],
-                    scratch_input=True,  # freed right after: gloo may reduce it in place
-                )
+        # plain buffers: nothing here for autograd to record (no context)
+        for i, mp in enumerate(self.params):  # parameters that got no gradient this window
+            if i not in self._received and mp.requires_grad:
+                self._grad_views[i].zero_()
+        out = self.grads.full.new_empty(self.layout.segment_size)
+        with self._failing_as("reduce-scatter"):
+            handle = reduce_scatter_flat(
+                out,
+                self.grads.full,
+                self.mesh.shard_group,
+                op=self._reduce_op,
+                async_op=True,
+                comm_stream=self._comm_stream(1),
+                scratch_input=True,  # freed right after: gloo may reduce it in place
+            )
         self._reduce = (handle, out)
 
     @functools.cached_property
@@ -642,19 +679,17 @@ class ParamGroup:
         # the parameters' dtype, and under CPU offload their host memory (the optimizer steps
         # there); a blocking copy: the step reads it next
         out = out.to(device=self.host_device, dtype=self.orig_dtype)
-        rank, group = self.mesh.shard_rank, self.mesh.shard_group
         updated = []
-        with torch.no_grad():
-            for i, mp in enumerate(self.params):
-                if not mp.requires_grad or i not in received:
-                    continue
-                local = out[self._segment_pieces[i]]
-                if mp.sharded.grad is not None:
-                    mp.sharded.grad.local.add_(local)
-                else:
-                    spec = mp.sharded.ragged_shard  # with the TP record, for a TP parameter
-                    mp.sharded.grad = RaggedTensor(local, spec, rank, group)
-                updated.append(mp.sharded)
+        # plain buffers and fresh RaggedTensors: nothing for autograd to record
+        for i, mp in enumerate(self.params):
+            if not mp.requires_grad or i not in received:
+                continue
+            local = out[self._segment_pieces[i]]
+            if mp.sharded.grad is not None:
+                mp.sharded.grad.local.add_(local)
+            else:  # split as the parameter (with the TP record, for a TP parameter)
+                mp.sharded.grad = mp.sharded.sibling(local)
+            updated.append(mp.sharded)
         return updated
 
 

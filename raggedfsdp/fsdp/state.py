@@ -161,7 +161,7 @@ class RootContext:
         parameters whose ``.grad`` it set, as autograd would for a leaf (FSDP2 does the same):
         optimizer-in-backward steps each parameter there, while backward goes on."""
         params = group.finish_reduce()
-        self.final.update(id(p) for p in params)
+        self.final.update(map(id, params))
         for param in params:
             for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
                 hook(param)
@@ -228,7 +228,7 @@ class RootContext:
             # parameters first, as in reduce(): then the flat buffer
             group.reshard(free=group.reshard_after_backward)
             group.flush_held_grads()  # no-sync accumulation continues in the flat buffer
-            if last or not group.reduce_pending:
+            if last and group.reduce_pending:  # (not last: those in flight stay so)
                 self.finish_reduce(group)
             group.forget_backward()
         if last:
@@ -262,6 +262,10 @@ class FSDPState:
         self.class_names = [type(m).__name__ for m in modules]  # before fully_shard swaps them
         self.group = group
         self.forward_only = forward_only
+        # the main group, then ``forward_only`` if its parameters have one (read by every hook)
+        self.groups: tuple[ParamGroup, ...] = tuple(
+            g for g in (group, forward_only) if g is not None
+        )
         self.reshard_after_forward = reshard_after_forward
         # the subgroup an int reshards to: made at the root's set-up, once the ranks are known
         # to agree (a rank asking for another one would otherwise hang in its creation)
@@ -294,11 +298,6 @@ class FSDPState:
         self._hooked: set[int] = set()  # ids of the unsharded params whose gradients are hooked
         self._hook_gradients()
         self._hook_state_dicts()
-
-    @property
-    def groups(self) -> list[ParamGroup]:
-        """The call's groups: the main one, then ``forward_only`` if its parameters have one."""
-        return [g for g in (self.group, self.forward_only) if g is not None]
 
     def _hook_gradients(self) -> None:
         """Take each unsharded parameter's gradient as autograd accumulates it (a hook needs
@@ -509,8 +508,11 @@ class FSDPState:
             state, group = state_ref(), group_ref()
             if state is None or group is None:  # the model was deleted during its backward
                 return
-            state.ctx.start_backward()
-            state.ctx.release_finished_reduces()
+            ctx = state.ctx
+            if not ctx.backward_active:  # (checked here: this runs for every parameter)
+                ctx.start_backward()
+            if ctx.reducing:
+                ctx.release_finished_reduces()
             group.accumulate_grad(index, param)
             state._release(group)
 

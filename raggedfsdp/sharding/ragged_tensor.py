@@ -123,6 +123,12 @@ class RaggedTensor(torch.Tensor):
     def ragged_shard(self) -> RaggedShard:
         return self._spec
 
+    def sibling(self, local: torch.Tensor) -> RaggedTensor:
+        """A RaggedTensor split as this one (its spec, rank and process group) around
+        ``local``, 1-D and as long as this rank's piece: how an owner that laid the pieces out
+        itself (fully_shard, a parameter's ``.grad`` each step) skips ``__new__``'s checks."""
+        return _sibling(local, self)
+
     @property
     def local_range(self) -> tuple[int, int]:
         """``(start, stop)`` of the local piece in the flat (row-major) storage of the tensor

@@ -16,7 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["LATENCY_BOUND_BYTES", "MAX_IN_FLIGHT", "prefetch_ends", "reduces_in_flight"]
+__all__ = [
+    "LATENCY_BOUND_BYTES",
+    "MAX_IN_FLIGHT",
+    "gathers_a_copy",
+    "prefetch_ends",
+    "reduces_in_flight",
+]
 
 LATENCY_BOUND_BYTES = 2 * 2**20
 MAX_IN_FLIGHT = 8
@@ -51,3 +57,12 @@ def reduces_in_flight(sizes: Sequence[float], at_least_one: bool) -> int:
             break
         keep += 1
     return keep
+
+
+def gathers_a_copy(shard_ranks: int, casts: bool, offloaded: bool, float8: bool) -> bool:
+    """Whether a group's unsharded parameters are a gathered buffer of their own. Not when one
+    rank holds the whole group (``shard_ranks == 1``: W=1, HSDP shards of one, EP experts
+    sharded over one rank) in the dtype it computes in: its sharded memory is then the
+    unsharded parameters, with nothing to gather, allocate or free. A cast (``param_dtype``),
+    CPU offload (host to device) and an FP8 payload each need a buffer of their own."""
+    return shard_ranks > 1 or casts or offloaded or float8

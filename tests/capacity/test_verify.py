@@ -11,6 +11,7 @@ and a case the dry run cannot simulate is one line.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -169,6 +170,28 @@ def test_every_figure_agrees_within_5_percent(capsys, tiny: Path, flags: list[st
     # the optimizer step's own temporaries (torch's adam kernels) are not modelled, so that
     # line may only fall short; it is not the peak here
     assert set(off) <= {STEP} and rows[STEP]["ratio"] <= 1, off
+
+
+def test_one_rank_in_the_master_dtype_models_no_gathered_buffer(capsys, tiny, monkeypatch):
+    """At W=1 in the master dtype the runtime computes on the sharded memory (no gathered
+    buffer, ``gathers_a_copy``); a bf16 compute dtype still casts into one. The model follows
+    the same rule, and the dry run at W=1 agrees on every static line and sends nothing. (W=1
+    is not a planning case: its transient is modelled 6-8 % high at both dtypes, as it was
+    before one rank computed on its shard.)"""
+    model = importlib.import_module("raggedfsdp.capacity.memory")
+
+    def peak(param_dtype: str) -> float:
+        assert main([str(tiny), "-w", "1", "--param-dtype", param_dtype, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["memory_bytes"]["peak_unsharded"]
+
+    fp32, bf16 = peak("fp32"), peak("bf16")
+    monkeypatch.setattr(model, "gathers_a_copy", lambda *args, **kwargs: True)
+    assert peak("fp32") > fp32 and peak("bf16") == bf16
+    monkeypatch.undo()
+    rows = _verify(capsys, str(tiny), "-w", "1", "--param-dtype", "fp32")
+    exact = ("sharded parameters", "sharded gradients", "static (after the step)")
+    assert all(rows[line]["ratio"] == pytest.approx(1, abs=1e-3) for line in exact), rows
+    assert rows["all-gather sent / step"]["runtime"] == 0
 
 
 def test_hsdp_adds_the_replicate_all_reduce(capsys, tiny: Path) -> None:

@@ -373,6 +373,57 @@ def test_parameters_and_gradients_are_views_of_the_flat_buffers(pool):
         assert all(res.values()), res
 
 
+def _one_rank_holds_the_whole_group() -> dict:
+    """At one shard rank, in the parameters' own dtype, the sharded and the unsharded
+    parameters view one buffer: no gather, no copy, nothing freed; an optimizer step is what
+    the next forward reads. A bf16 compute dtype still gathers (casts) into a buffer of its
+    own, and frees it."""
+    model = shard_blocks(make_model())
+    group = model.layers[0]._raggedfsdp_state.group
+    storage = group.master.full.untyped_storage()
+    base = storage.data_ptr()
+    sharded_alias = all(
+        p.local.untyped_storage().data_ptr() == base for p in model.layers[0].parameters()
+    )
+    reference = make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen, losses = [], []
+    model.layers[0].register_forward_hook(  # before fully_shard's, which reshards
+        lambda mod, args, out: seen.extend(
+            p.untyped_storage().data_ptr() for p in mod.parameters()
+        ),
+        prepend=True,
+    )
+    for step in range(3):
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss = loss_fn(m, *batch(step, ROWS))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+    bf16 = shard_blocks(make_model(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    bf16_group = bf16.layers[0]._raggedfsdp_state.group
+    loss_fn(bf16, *batch(0, ROWS)).backward()
+    return {
+        "whole": group.shard_is_whole and not bf16_group.shard_is_whole,
+        "sharded_alias": sharded_alias,
+        "unsharded_alias": all(ptr == base for ptr in seen),
+        "still_one_buffer": group.master.full.untyped_storage().data_ptr() == base,
+        "no_gathered_bytes": group.all_gather_bytes == 0 and group.gathered_bytes == 0,
+        "resharded": not group.is_unsharded,
+        "losses_equal": losses[0::2] == losses[1::2],
+        "bf16_gathers_and_frees": bf16_group.all_gather_bytes > 0
+        and not bf16_group.compute.is_full_allocated,
+    }
+
+
+@pytest.mark.parametrize("world_size", [1])
+def test_one_rank_computes_on_the_sharded_memory(pool):
+    for res in pool.run(_one_rank_holds_the_whole_group):
+        assert all(res.values()), res
+
+
 def _root_freed_after_the_head(variant: str) -> dict:
     """Whether the root's gathered norm + head are still held when the last block's backward
     starts (their gradients are in), whether its embedding, a group of its own, was freed

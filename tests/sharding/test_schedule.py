@@ -10,6 +10,7 @@ import pytest
 from raggedfsdp.sharding.schedule import (
     LATENCY_BOUND_BYTES,
     MAX_IN_FLIGHT,
+    gathers_a_copy,
     prefetch_ends,
     reduces_in_flight,
 )
@@ -74,3 +75,10 @@ def test_reduces_in_flight_keeps_the_newest_within_the_bound() -> None:
     # the newest alone is over the bound: CUDA keeps it, the CPU path finishes it
     assert reduces_in_flight([1024, 3 * MiB], at_least_one=True) == 1
     assert reduces_in_flight([1024, 3 * MiB], at_least_one=False) == 0
+
+
+def test_only_one_rank_in_the_compute_dtype_gathers_no_copy() -> None:
+    assert not gathers_a_copy(1, casts=False, offloaded=False, float8=False)
+    for ranks, casts, offloaded, float8 in itertools.product((1, 2, 3), *[(False, True)] * 3):
+        if (ranks, casts, offloaded, float8) != (1, False, False, False):
+            assert gathers_a_copy(ranks, casts=casts, offloaded=offloaded, float8=float8)
