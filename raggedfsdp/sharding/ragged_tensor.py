@@ -201,23 +201,10 @@ class RaggedTensor(torch.Tensor):
     # ----------------------------------------------------------------------------- dispatch
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _SPECIAL.get(func)
-        if handler is not None:
-            return handler(func, args, kwargs)
-        if func.name().startswith("aten::_foreach_") or func.name() in _FUSED_OPTIMIZER_OPS:
-            return _foreach(func, args, kwargs)
-        if torch.Tag.pointwise in func.tags:
-            return _pointwise(func, args, kwargs)
-        ragged = next((a for a in tree_flatten(args)[0] if isinstance(a, RaggedTensor)), None)
-        what = "a tensor" if ragged is None else repr(ragged._spec.name or tuple(ragged.shape))
-        hint = ragged.sharded_use_hint if ragged is not None else None
-        raise NotImplementedError(
-            f"{func.name()} needs the whole tensor, but a RaggedTensor holds only this rank's "
-            f"piece of {what}. {hint() + ' ' if hint is not None else ''}Gather it with "
-            ".full_tensor() (or unshard the module), or use .local for per-rank math (norms of "
-            "whole tensors work as they are)."
-        )
+        handler = _ROUTES.get(func)
+        if handler is None:
+            handler = _ROUTES[func] = _route(func)
+        return handler(func, args, kwargs or {})
 
     # ----------------------------------------------------------------------------- DCP protocol
     def _boxes(self) -> list[tuple[Box, int, int]]:
@@ -374,7 +361,11 @@ def _pointwise(func, args, kwargs):
     optimizer step); nested operands, which no pointwise aten op takes today, go through
     pytree. Plain tensor operands broadcast only as scalars (``_plain_operand``)."""
     operands = [*args, *kwargs.values()]
-    nested = any(isinstance(a, (list, tuple, dict)) for a in operands)
+    nested = False
+    for a in operands:  # (a loop, not any(): a generator resumes once per operand)
+        if isinstance(a, (list, tuple, dict)):
+            nested = True
+            break
     if nested:
         operands = tree_flatten((args, kwargs))[0]
     like = _spec_of([a for a in operands if isinstance(a, RaggedTensor)])
@@ -821,6 +812,36 @@ _SPECIAL = {
         )
     },
 }
+
+
+def _needs_whole(func, args, kwargs):
+    """Any other op: it needs elements this rank does not hold, so it is refused, naming the
+    tensor and the fix."""
+    ragged = next((a for a in tree_flatten(args)[0] if isinstance(a, RaggedTensor)), None)
+    what = "a tensor" if ragged is None else repr(ragged._spec.name or tuple(ragged.shape))
+    hint = ragged.sharded_use_hint if ragged is not None else None
+    raise NotImplementedError(
+        f"{func.name()} needs the whole tensor, but a RaggedTensor holds only this rank's "
+        f"piece of {what}. {hint() + ' ' if hint is not None else ''}Gather it with "
+        ".full_tensor() (or unshard the module), or use .local for per-rank math (norms of "
+        "whole tensors work as they are)."
+    )
+
+
+def _route(func) -> Callable:
+    """The handler of ``func``, decided once per op (then a dict lookup per call: an optimizer
+    step dispatches one op per parameter): its special handler, the ``_foreach_`` / fused
+    optimizer path, the element-wise path, or the refusal."""
+    if func in _SPECIAL:
+        return _SPECIAL[func]
+    if func.name().startswith("aten::_foreach_") or func.name() in _FUSED_OPTIMIZER_OPS:
+        return _foreach
+    if torch.Tag.pointwise in func.tags:
+        return _pointwise
+    return _needs_whole
+
+
+_ROUTES: dict[Any, Callable] = {}  # op -> handler, filled by ``_route`` as ops first arrive
 
 
 def _register_with_torch_optimizers() -> None:
