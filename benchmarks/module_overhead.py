@@ -22,7 +22,9 @@ counts in extra steps do not and show where per-group work goes: the Python func
 group (``sys.setprofile``), those of the optimizer step and ``zero_grad`` alone, and the tensor
 allocations per group (the profiler's allocator events). Each ``--groups`` size runs in its own
 launch; the per-group figures at two sizes say whether the overhead is linear in the number of
-groups.
+groups. The bare model (not wrapped, each rank alone, torch's SGD or AdamW) alternates with
+them: ``bare µs`` is the floor both steps stand on, and ``added`` what ours adds to it over
+what FSDP2 adds, ``(ours - bare) / (fsdp2 - bare)``.
 
     python benchmarks/module_overhead.py [--model {blocks,moe,both}] [--world-sizes 1 2]
         [--groups 128 512] [--steps 10] [--dim 8] [--tokens N] [--optim {sgd,adamw}]
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from measure import alternate_rounds, init_gloo, spawn_ranks, train_step
 from torch import nn
 
-SYSTEMS = ("ours", "fsdp2")
+SYSTEMS = ("ours", "fsdp2", "bare")  # bare: the same model unwrapped, each rank on its own
 COLUMNS = {  # reported per group: key, table heading
     "step_us": "step µs",
     "optim_us": "optim µs",
@@ -99,20 +101,22 @@ class TinyMoE(nn.Module):
 
 
 def build(system: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model of ``args.model`` wrapped by ``system``: each block or expert, then the root."""
+    """The model of ``args.model`` wrapped by ``system``: each block or expert, then the root
+    (``bare``: not wrapped, the floor both systems' steps stand on)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if system == "ours":
         from raggedfsdp import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = (Chain if args.model == "blocks" else TinyMoE)(args.groups, args.dim)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    if args.optim == "sgd":
+    if system != "bare":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    if args.optim == "sgd" or system == "bare":
         return model, torch.optim.SGD(model.parameters(), lr=1e-3)
     if system == "ours":
         from raggedfsdp.optim import AdamW
@@ -196,23 +200,28 @@ def measure(model: str, world: int, groups: int, args: argparse.Namespace) -> di
     """One launch: both systems on ``groups`` groups of ``model`` at ``world`` ranks."""
     run_args = argparse.Namespace(**{**vars(args), "model": model, "groups": groups})
     res = spawn_ranks(_worker, run_args, world)
-    ours, peer = res["ours"], res["fsdp2"]
+    ours, peer, bare = res["ours"], res["fsdp2"], res["bare"]
     ratio = {k: ours[k] / peer[k] for k in COLUMNS}
-    return {"model": model, "world": world, "groups": groups, **res, "ratio": ratio}
+    # what each wrapping adds to the bare model's step, ours over FSDP2's
+    added = (ours["step_us"] - bare["step_us"]) / (peer["step_us"] - bare["step_us"])
+    return {"model": model, "world": world, "groups": groups, **res, "ratio": ratio, "added": added}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print("\nper group, medians of the alternating rounds (ratio = ours / FSDP2)")
+    print(
+        "\nper group, medians of the alternating rounds (ratio = ours / FSDP2; added = "
+        "(ours - bare) / (fsdp2 - bare))"
+    )
     head = f"{'model':7s}{'W':>3s}{'groups':>7s}"
     for label in COLUMNS.values():
         head += f"{label:>22s}"
-    print(head)
+    print(head + f"{'bare µs':>9s}{'added':>7s}")
     for r in rows:
         line = f"{r['model']:7s}{r['world']:3d}{r['groups']:7d}"
         for key in COLUMNS:
             ours, peer = r["ours"][key], r["fsdp2"][key]
             line += f"{ours:8.1f} /{peer:7.1f} ={ours / peer:5.2f}"
-        print(line)
+        print(line + f"{r['bare']['step_us']:9.1f}{r['added']:7.2f}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -35,6 +35,9 @@ def _check_rows(rows: list[dict], expected: list[tuple[str, int, int]]) -> None:
     for row in rows:
         for system in ("ours", "fsdp2"):
             assert all(row[system][k] > 0 for k in COUNTS), row
+        # the unwrapped model: its step and allocations, and what each wrapping adds to it
+        assert row["bare"]["step_us"] > 0 and row["bare"]["python_calls"] > 0, row
+        assert isinstance(row["added"], float)
         assert set(row["ratio"]) == set(COUNTS)
         # the same model, data and optimizer math: the two systems compute the same loss
         assert row["ours"]["loss"] == pytest.approx(row["fsdp2"]["loss"], rel=1e-5), row
