@@ -1,7 +1,9 @@
-"""How far ahead the runtime prefetches and how many reduce-scatters it leaves in flight.
+"""How far ahead the runtime prefetches, how many reduce-scatters it leaves in flight, and which
+groups gather into a buffer of their own.
 
-Rules the runtime (``raggedfsdp.fsdp.state``) and the capacity planner's memory model
-(``raggedfsdp.capacity.memory``) share, so pure Python: each works on a list of byte sizes.
+Rules the runtime (``raggedfsdp.fsdp.state``, ``param_group``) and the capacity planner's
+memory model (``raggedfsdp.capacity.memory``) share, so pure Python: each works on a list of
+byte sizes or counts.
 
 Collectives this small are bound by latency, not bandwidth (NVLink: about 10 µs x 300 GB/s;
 loopback gloo: about 100 µs x 2 GB/s; a few hundred KiB to a few MiB), and several in flight
