@@ -206,7 +206,11 @@ class ParamGroup:
         # Only the full gradient buffer persists (as storage that is freed between backwards);
         # sharded gradients are fresh tensors per reduction, freed by zero_grad(set_to_none).
         self.grads = FlatBuffer(self.layout, rank, reduce_dtype, device, with_shard=False)
-        for mp in self.params:
+        # each parameter's views of the gathered and gradient buffers, in order: taken by the
+        # hooks every step
+        self._compute_views = [self.compute.full_view(mp.fqn) for mp in self.params]
+        self._grad_views = [self.grads.full_view(mp.fqn) for mp in self.params]
+        for mp, view in zip(self.params, self._compute_views, strict=True):
             spec = tp_spec(self.layout.shards[mp.fqn], mp)
             local = self.master.shard_view(mp.fqn)
             ragged = RaggedTensor(local, spec, rank, self.mesh.shard_group)
@@ -214,13 +218,8 @@ class ParamGroup:
             mp.sharded.sharded_use_hint = functools.partial(_use_hint, weakref.ref(self))
             # A TP parameter is handed to the module as the DTensor TP's hooks expect, its
             # local tensor the view of the gathered buffer
-            view = self.compute.full_view(mp.fqn)
             unsharded = view if mp.tp is None else mp.tp.dtensor(view)
             mp.unsharded = nn.Parameter(unsharded, mp.requires_grad)
-        # each parameter's views of the gathered and gradient buffers, in order: taken by the
-        # hooks every step
-        self._compute_views = [self.compute.full_view(mp.fqn) for mp in self.params]
-        self._grad_views = [self.grads.full_view(mp.fqn) for mp in self.params]
 
     @property
     def parts(self) -> tuple[ParamGroup, ...]:
@@ -486,18 +485,19 @@ class ParamGroup:
             self.is_unsharded = True
         self.use_sharded_params()
         self._post_forward = None
-        if self.is_unsharded and free and self.shard_is_whole:
-            self.is_unsharded = False  # nothing to free: the memory is the sharded parameters'
-        elif self.is_unsharded and free:
-            if self._float8 is not None:
-                self._float8.drop(self.params)
-            if keep_for is not None:
-                full = self.compute.full
-                size = full.numel() // keep_for.shard_size
-                start = keep_for.shard_rank * size
-                self._post_forward = (keep_for, full[start : start + size].clone())
-            self.compute.free_full()
-            self.is_unsharded = False
+        if not (self.is_unsharded and free):
+            return
+        self.is_unsharded = False
+        if self.shard_is_whole:
+            return  # nothing to free: the memory is the sharded parameters'
+        if self._float8 is not None:
+            self._float8.drop(self.params)
+        if keep_for is not None:
+            full = self.compute.full
+            size = full.numel() // keep_for.shard_size
+            start = keep_for.shard_rank * size
+            self._post_forward = (keep_for, full[start : start + size].clone())
+        self.compute.free_full()
 
     # ----------------------------------------------------------------------------- gradients
     def accumulate_grad(self, index: int, param: nn.Parameter) -> None:
