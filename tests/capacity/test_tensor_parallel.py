@@ -47,9 +47,10 @@ def _json(capsys, *argv: str) -> dict:
 
 
 def _untimed(report: str) -> str:
-    """A text report without its timings: the groups' last column (plan ms) and the last line."""
+    """A text report without its timings: the groups' last column (plan ms) and the last line.
+    The padding before that column goes too: it is as wide as the slowest group's time."""
     head, groups = report.rsplit("planned in", 1)[0].split("\nGroups (")
-    rows = [line.rsplit(" ", 1)[0] for line in groups.splitlines()]
+    rows = [line.rsplit(" ", 1)[0].rstrip() for line in groups.splitlines()]
     return head + "\n".join(rows)
 
 
