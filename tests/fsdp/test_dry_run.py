@@ -135,12 +135,12 @@ def test_fake_tensors_give_the_figures_of_real_ones(fsdp: str) -> None:
 
 def _gloo_step(args: list[str]) -> dict:
     """One rank of a real gloo job: the recipe's model and optimizer, measured by ``measure``
-    over three steady steps (gloo's threads free a finished collective's buffers late now and
-    then; the least of three is the runtime's figure)."""
+    over five steady steps (gloo's threads free a finished collective's buffers late now and
+    then; the least of five is the runtime's figure)."""
     cfg = parse_args(args)
     env = parallel.make_env(torch.device("cpu"), 0, cfg.dp_replicate, cfg.tp, cfg.ep)
     build = recipe_dry_run._build(cfg, env)
-    return dataclasses.asdict(measure(build, recipe_dry_run._loss(cfg), cfg.fsdp, steps=4))
+    return dataclasses.asdict(measure(build, recipe_dry_run._loss(cfg), cfg.fsdp, steps=6))
 
 
 def _close(sim: int, real: int) -> bool:
