@@ -4,18 +4,16 @@ must keep running; its byte counts are checked, not its speed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.docs.ranks import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_all_gather.py"
 
 
 def test_fp8_all_gather_halves_the_bytes_of_fsdp2():
     toy = ["--dim", "128", "--layers", "1", "--vocab", "256", "--seq", "16", "--steps", "1"]
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *toy], capture_output=True, text=True, timeout=240
-    )
+    run = run_script([str(SCRIPT), *toy], timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
     gathered = result["all_gather_bytes_per_step"]
@@ -29,15 +27,12 @@ def test_fp8_training_compares_paired_runs(tmp_path):
     """benchmarks/fp8_training.py on a 1-block model with one 128x128 tile per matrix, 2 steps:
     the FP8 run is paired with the bf16 one and differs from it (the gather is quantized)."""
     plot = tmp_path / "curves.png"
-    run = subprocess.run(
+    run = run_script(
         [
-            sys.executable,
             str(SCRIPT.with_name("fp8_training.py")),
             *("--seeds", "0", "--steps", "2", "--nproc", "1", "--modes", "bf16", "fp8"),
             *("--plot", str(plot), "--recipe-args=--config debug --model.dim 128 --seq-len 16"),
         ],
-        capture_output=True,
-        text=True,
         timeout=240,
     )
     assert run.returncode == 0, run.stdout + run.stderr

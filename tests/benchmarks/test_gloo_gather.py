@@ -5,22 +5,16 @@ asserted."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from tests.benchmarks.cli import BENCHMARKS, refusal
+from tests.docs.ranks import run_script
 
 
 def test_runs_and_reports_every_method() -> None:
     argv = ["--world-sizes", "2", "3", "--mib", "0.001", "--repeats", "1"]
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gloo_gather.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    done = run_script([str(BENCHMARKS / "gloo_gather.py"), *argv], timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [(row["world"], row["mib"]) for row in rows] == [(2, 0.001), (3, 0.001)]

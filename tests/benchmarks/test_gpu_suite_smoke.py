@@ -4,21 +4,16 @@ CPU self-test must keep passing so that time is never lost to a broken script.""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.docs.ranks import run_script
 
 SUITE = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.py"
 
 
 def test_gpu_suite_cpu_self_test_passes(tmp_path):
     out = tmp_path / "suite.json"
-    run = subprocess.run(
-        [sys.executable, str(SUITE), "--cpu-smoke", "--json-out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    run = run_script([str(SUITE), "--cpu-smoke", "--json-out", str(out)], timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())
     assert results["failures"] == [], results

@@ -6,24 +6,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.benchmarks.cli import refusal
+from tests.docs.ranks import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 COUNTS = ("step_us", "optim_us", "python_calls", "optim_calls", "allocations")
 
 
 def _run(script: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_script([str(BENCHMARKS / script), *args], timeout=timeout)
 
 
 def _json_lines(stdout: str) -> list[dict]:

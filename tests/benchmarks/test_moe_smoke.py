@@ -6,25 +6,24 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.benchmarks.cli import refusal
+from tests.docs.ranks import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TOY = ["--world-size", "2", "--steps", "1", "--dim", "64", "--moe-hidden", "32", "--layers", "2"]
 TOY += ["--vocab", "128", "--batch", "1", "--seq", "8", "--experts", "3"]
 
 
+def _run(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return run_script([str(BENCHMARKS / "moe_vs_fsdp2.py"), *argv], timeout=timeout)
+
+
 def test_moe_vs_fsdp2_counts_collectives_and_matches_losses():
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "moe_vs_fsdp2.py"), *TOY],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    run = _run(*TOY)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
     ours, peer = result["ours"], result["fsdp2"]
@@ -35,15 +34,6 @@ def test_moe_vs_fsdp2_counts_collectives_and_matches_losses():
     assert ours["bytes"]["all_gather"] < peer["bytes"]["all_gather"], result
     assert ours["static_tensors"] < peer["static_tensors"], result
     assert {"step", "transient", "all_gather_bytes", "reduce_scatter_bytes"} <= set(result["ratio"])
-
-
-def _run(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / "moe_vs_fsdp2.py"), *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.mark.slow  # 4 ranks build both systems twice: over a minute on 2 shared cores

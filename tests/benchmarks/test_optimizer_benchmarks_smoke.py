@@ -5,20 +5,15 @@ themselves are not asserted)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.docs.ranks import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _json_lines(script: str, *args: str) -> list[dict]:
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    run = run_script([str(BENCHMARKS / script), *args], timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 

@@ -4,21 +4,16 @@ them, so they must keep running (the figures themselves are not asserted)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.docs.ranks import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TOY = ["--dim", "64", "--layers", "1", "--vocab", "256", "--batch", "1", "--seq", "16"]
 
 
 def _run(script: str, *args: str) -> str:
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args, *TOY],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    run = run_script([str(BENCHMARKS / script), *args, *TOY], timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     return run.stdout
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from tests.benchmarks.cli import BENCHMARKS, script
+from tests.docs.ranks import run_script
 
 # 1024 tensors of 32 KiB (under MALLOC_ENV's mmap threshold: in the heap), a small one above
 # them so that their pages are not the heap's top, which free() would give back by itself
@@ -44,12 +45,7 @@ def test_trimmed_rss_sees_small_tensors_freed_inside_the_heap():
 def test_tp_memory_phases_static_reports_phases_and_drops():
     toy = ["--world-size", "4", "--tp", "2", "--dim", "64", "--layers", "2", "--heads", "4"]
     toy += ["--kv-heads", "2", "--vocab", "128", "--batch", "1", "--seq", "8"]
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "tp_memory_phases.py"), "static", *toy],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    run = run_script([str(BENCHMARKS / "tp_memory_phases.py"), "static", *toy], timeout=280)
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     for system in ("ours", "fsdp2"):

@@ -4,21 +4,16 @@ documents as the library (the speeds themselves are not asserted)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.docs.ranks import run_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tokenize_throughput.py"
 TOY = ["--mb", "0.3", "--vocab", "1000", "--train-mb", "0.3", "--workers", "2", "--repeats", "1"]
 
 
 def test_tokenize_throughput_reports_ours_beside_the_library():
-    run = subprocess.run(
-        [sys.executable, str(SCRIPT), *TOY],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    run = run_script([str(SCRIPT), *TOY], timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens_match"] and result["vocab_size"] == 1000 and result["workers"] == 2

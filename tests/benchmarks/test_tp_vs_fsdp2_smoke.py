@@ -6,13 +6,12 @@ checked, not speed."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.benchmarks.cli import refusal
+from tests.docs.ranks import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TOY = ["--world-size", "4", "--tp", "2", "--steps", "1", "--dim", "64", "--layers", "2"]
@@ -21,12 +20,7 @@ TOY += ["--heads", "4", "--kv-heads", "2", "--vocab", "128", "--batch", "1", "--
 
 @pytest.mark.slow  # ~80 s: 4 ranks build both systems twice on 2 cores
 def test_tp_vs_fsdp2_counts_collectives_and_matches_losses():
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "tp_vs_fsdp2.py"), *TOY],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    run = run_script([str(BENCHMARKS / "tp_vs_fsdp2.py"), *TOY], timeout=280)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
     ours, peer = result["ours"], result["fsdp2"]
@@ -46,12 +40,7 @@ def test_tp_vs_fsdp2_counts_collectives_and_matches_losses():
 
 @pytest.mark.slow  # ~80 s: 4 ranks build three systems twice, and a one-block copy of each
 def test_tp_vs_fsdp2_muon_runs_all_three_and_checks_them():
-    run = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "tp_vs_fsdp2.py"), *TOY, "--optimizer", "muon"],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    run = run_script([str(BENCHMARKS / "tp_vs_fsdp2.py"), *TOY, "--optimizer", "muon"], timeout=280)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("{")))
     ours, peer, gather = result["ours"], result["fsdp2"], result["gather"]

@@ -4,17 +4,17 @@ values it saved."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from raggedfsdp.comm.launch import serving_store
+from tests.docs.ranks import script_env, start_script
 
 ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "support" / "fault_worker.py"
 # The collective timeout: a survivor that waited for it would fail ``TIMEOUT`` s after the kill
 # with gloo's "Timed out" error. Long, so that no load on the machine can pass for detection.
 TIMEOUT = 60.0
@@ -23,21 +23,17 @@ PEER_LOST = re.compile(r"Connection reset by peer|Connection closed by peer|Brok
 
 
 def _run(world: int, kill_rank: int, collective: str, at: int, optimizer: str, checkpoint: str):
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with serving_store() as port:
         procs = [
-            subprocess.Popen(
+            start_script(
                 [
-                    *(sys.executable, "-m", "tests.support.fault_worker", "--rank", str(r)),
+                    *(str(WORKER), "--rank", str(r)),
                     *("--world", str(world), "--port", str(port), "--kill-rank", str(kill_rank)),
                     *("--collective", collective, "--at", str(at), "--timeout", str(TIMEOUT)),
                     *("--optimizer", optimizer, "--checkpoint", checkpoint),
                 ],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
+                ROOT,
+                script_env(),
             )
             for r in range(world)
         ]
