@@ -88,6 +88,11 @@ def _static(tally: MemoryTally, model: nn.Module, optimizer: torch.optim.Optimiz
     }
 
 
+def _least(so_far: dict[str, int], step: dict[str, int]) -> dict[str, int]:
+    """Each figure's least over the steady steps so far and this one."""
+    return {k: min(v, so_far.get(k, v)) for k, v in step.items()}
+
+
 def measure(
     build: Build,
     loss: Callable[[nn.Module], torch.Tensor],
@@ -100,16 +105,18 @@ def measure(
     the set-up alone, with the state as built and no peaks or traffic).
 
     The steady steps are all but the first (which also makes the optimizer state and the
-    runtimes' lazy buffers). Each phase's peak is the least over the steady steps: a real
-    backend's threads drop their references to a finished collective's buffers a moment
-    after ``wait`` returns, so a free can land late and only ever add to a peak; with several
-    steady steps the figure is the runtime's own. ``tensors`` only labels the report; the
+    runtimes' lazy buffers). Each phase's peak, and the memory live after the optimizer step
+    (``static``), is the least over the steady steps: a real backend's threads drop their
+    references to a finished collective's buffers a moment after ``wait`` returns, so a free
+    can land late and only ever add to a figure; with several steady steps it is the
+    runtime's own. ``tensors`` only labels the report; the
     caller picks the tensor mode. Collective bytes are this rank's, of the last step.
     """
     if steps < 0:
         raise ValueError(f"steps={steps} must be >= 0 (0: set-up only)")
     tally, counter = MemoryTally(), CollectiveCounter()
     steady: dict[str, int] = {}
+    static: dict[str, int] = {}
     with counter, tally:
         start = time.perf_counter()
         model, optimizer = build(fully_shard_of(runtime))
@@ -123,10 +130,10 @@ def measure(
                 del value
             with tally.phase("step"):
                 optimizer.step()
-            static = _static(tally, model, optimizer)
+            after_step = _static(tally, model, optimizer)
             optimizer.zero_grad()
             if step > 0 or steps == 1:
-                steady = {k: min(v, steady.get(k, v)) for k, v in tally.peaks.items()}
+                steady, static = _least(steady, tally.peaks), _least(static, after_step)
         if not steps:
             static = _static(tally, model, optimizer)
     return StepReport(

@@ -102,6 +102,32 @@ def test_measure_reports_the_least_peak_of_the_steady_steps() -> None:
     assert peak(2, late=2) == clean + 4000  # one steady step: nothing to compare it with
 
 
+def test_measure_reports_the_least_static_memory_of_the_steady_steps() -> None:
+    """The same for what is live after the optimizer step: a buffer still held there in one
+    steady step (a late free) is not in ``static``."""
+    held: list[torch.Tensor] = []
+    calls: list[None] = []
+
+    def build(_fully_shard):
+        model = torch.nn.Linear(8, 8)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def loss(model: torch.nn.Module, late: int) -> torch.Tensor:
+        held.clear()  # what the previous step left is freed now
+        calls.append(None)
+        if len(calls) == late:  # 4,000 bytes live from here to the next step's forward
+            held.append(torch.empty(1000))
+        return model(torch.ones(2, 8)).sum()
+
+    def static(steps: int, late: int) -> int:
+        calls.clear()
+        return measure(build, lambda model: loss(model, late), steps=steps).static
+
+    clean = static(3, late=0)
+    assert static(3, late=2) == clean == static(3, late=3)
+    assert static(2, late=2) == clean + 4000  # one steady step: nothing to compare it with
+
+
 def test_fake_world_answers_rank_list_gathers_as_the_mesh_would() -> None:
     """``product_group`` learns each member's ranks along another mesh dim by gathering rank
     lists; on the fake group each member's are this rank's translated (rank 5 of a (2, 4)
