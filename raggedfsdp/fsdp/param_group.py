@@ -10,7 +10,8 @@ One group owns three flat buffers laid out by one plan:
 * ``grads``: once the group's last fresh gradient has arrived and its parameters are freed,
   each one is copied (cast, if ``reduce_dtype`` asks) into its slice of the full gradient
   buffer and freed; the reduce-scatter runs in place on that buffer, and the sharded ``.grad``
-  tensors are views of its output segment.
+  tensors are views of its output segment. With one shard rank the gradients go straight into
+  that segment: there is nothing to scatter.
 
 Nothing is copied into or out of a communication buffer around a collective.
 """
@@ -567,7 +568,11 @@ class ParamGroup:
             self.grads.alloc_full()
             self.grads.zero_full_padding()
             self._received.clear()
-        view = self._grad_views[index]
+        self._land(self._grad_views[index], index, grad)
+
+    def _land(self, view: torch.Tensor, index: int, grad: torch.Tensor) -> None:
+        """Write parameter ``index``'s gradient into ``view`` (its place in the flat buffer or
+        the segment), or add it to the one already there (accumulation without sync)."""
         # A custom divide factor scales each gradient before the sum (NCCL's PreMulSum, as
         # FSDP2 does), in the reduce dtype, as it lands in the buffer: no extra pass.
         scale = None if self.gradient_divide_factor is None else 1 / self.gradient_divide_factor
@@ -609,9 +614,13 @@ class ParamGroup:
 
     def reduce_grads(self) -> None:
         """Reduce-scatter the flat gradient buffer (in place) into a fresh segment;
-        asynchronous, finished by ``finish_reduce``."""
-        self.flush_held_grads()
+        asynchronous, finished by ``finish_reduce``. One shard rank (W=1, HSDP shards of
+        one) has nothing to scatter: its held gradients go straight into the segment."""
         self.reduce_started = True
+        if self.mesh.shard_size == 1 and not self.grads.is_full_allocated:
+            self._reduce = (CommHandle(), self._held_into_segment())
+            return
+        self.flush_held_grads()
         # plain buffers: nothing here for autograd to record (no context)
         for i, mp in enumerate(self.params):  # parameters that got no gradient this window
             if i not in self._received and mp.requires_grad:
@@ -628,6 +637,27 @@ class ParamGroup:
                 scratch_input=True,  # freed right after: gloo may reduce it in place
             )
         self._reduce = (handle, out)
+
+    def _held_into_segment(self) -> torch.Tensor:
+        """One shard rank's segment is the whole flat buffer: the held gradients are copied
+        (cast) into a fresh one, freeing each, and it becomes the sharded ``.grad`` (FSDP2
+        fills a buffer and copies it out; so did this before). Padding and parameters that
+        got no gradient are zeros, as in the flat buffer."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self._held_into_segment()
+        out = self.grads.full.new_empty(self.layout.segment_size)
+        for start, stop in self.layout.gaps():
+            out[start:stop].zero_()
+        self._received.clear()
+        for i, (mp, piece) in enumerate(zip(self.params, self._segment_pieces, strict=True)):
+            view = out[piece].view(self._grad_views[i].shape)
+            grad = self._held.pop(i, None)
+            if grad is not None:
+                self._land(view, i, grad)
+            elif mp.requires_grad:
+                view.zero_()
+        return out
 
     @functools.cached_property
     def _segment_pieces(self) -> list[slice]:

@@ -112,7 +112,7 @@ def _train_edge(wrap: str, how: str) -> dict:
 HOWS = ["plain", "keep_zeros", "two_forwards", "retain_graph", "accumulate", "eval"]
 
 
-@pytest.mark.parametrize("world_size", [3])
+@pytest.mark.parametrize("world_size", [1, 3])  # one rank: gradients straight into the segment
 @pytest.mark.parametrize("wrap", ["root", "each"])
 def test_reuse_frozen_unused_and_scalar_parameters_train_as_one_process(pool, wrap):
     for how in HOWS:

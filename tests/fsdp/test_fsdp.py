@@ -376,10 +376,14 @@ def test_parameters_and_gradients_are_views_of_the_flat_buffers(pool):
 def _one_rank_holds_the_whole_group() -> dict:
     """At one shard rank, in the parameters' own dtype, the sharded and the unsharded
     parameters view one buffer: no gather, no copy, nothing freed; an optimizer step is what
-    the next forward reads. A bf16 compute dtype still gathers (casts) into a buffer of its
-    own, and frees it."""
+    the next forward reads; the gradients go straight into the sharded segment (no flat
+    gradient buffer filled and copied out). A bf16 compute dtype still gathers (casts) into a
+    buffer of its own, and frees it."""
     model = shard_blocks(make_model())
     group = model.layers[0]._raggedfsdp_state.group
+    grad_buffer_allocs: list[None] = []
+    alloc_full = group.grads.alloc_full
+    group.grads.alloc_full = lambda: grad_buffer_allocs.append(None) or alloc_full()
     storage = group.master.full.untyped_storage()
     base = storage.data_ptr()
     sharded_alias = all(
@@ -413,6 +417,7 @@ def _one_rank_holds_the_whole_group() -> dict:
         "no_gathered_bytes": group.all_gather_bytes == 0 and group.gathered_bytes == 0,
         "resharded": not group.is_unsharded,
         "losses_equal": losses[0::2] == losses[1::2],
+        "gradients_straight_into_the_segment": not grad_buffer_allocs,
         "bf16_gathers_and_frees": bf16_group.all_gather_bytes > 0
         and not bf16_group.compute.is_full_allocated,
     }
