@@ -640,9 +640,9 @@ class ParamGroup:
 
     def _held_into_segment(self) -> torch.Tensor:
         """One shard rank's segment is the whole flat buffer: the held gradients are copied
-        (cast) into a fresh one, freeing each, and it becomes the sharded ``.grad`` (FSDP2
-        fills a buffer and copies it out; so did this before). Padding and parameters that
-        got no gradient are zeros, as in the flat buffer."""
+        (cast) into a fresh one, freeing each, and it becomes the sharded ``.grad``, where
+        filling a flat buffer and copying it out (as FSDP2 does) would copy them twice.
+        Padding and parameters that got no gradient are zeros, as in the flat buffer."""
         if torch.is_grad_enabled():
             with torch.no_grad():
                 return self._held_into_segment()
