@@ -15,7 +15,8 @@ last reference is gone, and by then the current stream is already ordered after 
 any reuse on it happens after the communication finished. (``record_stream`` would instead
 delay reuse until the allocator polls the event, which keeps memory alive for an unknown time.)
 The rule for callers is the usual one for async work: call ``wait()`` before touching the tensors,
-and call it on the stream that will use them.
+and call it on the stream that will use them. A handle dropped unwaited keeps its collective's
+work and tensors alive until the collective is done (``CommHandle.__del__``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from torch import Tensor
 from torch.distributed import Work
 
 __all__ = ["CommHandle", "Works"]
+
+# What handles dropped before their collective finished leave running: (work, event, tensors),
+# kept until done (``CommHandle.__del__``) and let go by the next launch after that.
+_UNFINISHED: list[tuple[Work | Works | None, torch.cuda.Event | None, tuple[Tensor, ...]]] = []
 
 
 class Works:
@@ -89,9 +94,23 @@ class CommHandle:
     def is_completed(self) -> bool:
         """Whether the collective has finished (never blocks): lets callers release buffers
         as soon as possible instead of at a fixed point."""
-        if self._work is not None and not self._work.is_completed():
-            return False
-        return self._event is None or self._event.query()
+        return _finished(self._work, self._event)
+
+    def __del__(self) -> None:
+        """A handle dropped unwaited (an error between a prefetch and its use, then the module
+        deleted) leaves its collective running, so its work and tensors outlive it until the
+        collective is done. Freed at once, the tensors' memory could be handed out again while
+        a transfer still writes it (on CUDA by the caching allocator), and gloo cancels a
+        point-to-point receive whose work dies: the message the peer sends anyway then wedges
+        the pair, and the next receive with that tag never completes."""
+        if not self.is_completed():
+            _UNFINISHED.append((self._work, self._event, self._keep_alive))
+
+
+def _finished(work: Work | Works | None, event: torch.cuda.Event | None) -> bool:
+    if work is not None and not work.is_completed():
+        return False
+    return event is None or event.query()
 
 
 def launch(
@@ -107,6 +126,8 @@ def launch(
     handle is waited. ``comm_stream`` applies only to CUDA tensors (see the module docstring).
     ``then`` runs when the handle is waited, after the collective.
     """
+    if _UNFINISHED:
+        _UNFINISHED[:] = [entry for entry in _UNFINISHED if not _finished(*entry[:2])]
     if comm_stream is None or not tensors[0].is_cuda:
         handle = CommHandle(work=issue(async_op), keep_alive=tensors, then=then)
     else:

@@ -199,6 +199,25 @@ def _check_many_in_flight() -> None:
     assert torch.equal(shard, expected[rank * 2 : rank * 2 + 2])
 
 
+def _check_a_dropped_gather_still_completes() -> None:
+    """An async gather whose handle one rank drops unwaited (an error between a prefetch and
+    its use, the module then deleted) still completes for every rank, and the group's next
+    exchange gets the right data: gloo cancels a receive whose work dies, and the pair then
+    wedges (the next receive with the tag never completes)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first = torch.empty(world * 4)
+    if rank == 0:
+        handle = all_gather_flat(first, _ints(rank, 4), async_op=True)
+        del handle  # before any peer has sent
+    dist.barrier()
+    if rank != 0:
+        all_gather_flat(first, _ints(rank, 4))
+        assert torch.equal(first, torch.cat([_ints(r, 4) for r in range(world)]))
+    second = torch.empty(world * 3)
+    all_gather_flat(second, _ints(rank, 3))
+    assert torch.equal(second, torch.cat([_ints(r, 3) for r in range(world)]))
+
+
 def _check_gather_counts_as_one_all_gather() -> None:
     """However the backend moves it (gloo: point-to-point messages), a traffic counter sees one
     all-gather of the whole buffer per call."""
@@ -330,6 +349,7 @@ def _strict(check: Callable[[], None]) -> None:
         _check_all_reduce,
         _check_all_to_all,
         _check_many_in_flight,
+        _check_a_dropped_gather_still_completes,
         _check_gather_counts_as_one_all_gather,
         _check_argument_errors,
         _check_flat_group_mesh,
