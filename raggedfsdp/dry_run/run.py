@@ -109,8 +109,8 @@ def measure(
     (``static``), is the least over the steady steps: a real backend's threads drop their
     references to a finished collective's buffers a moment after ``wait`` returns, so a free
     can land late and only ever add to a figure; with several steady steps it is the
-    runtime's own. ``tensors`` only labels the report; the
-    caller picks the tensor mode. Collective bytes are this rank's, of the last step.
+    runtime's own. ``tensors`` only labels the report; the caller picks the tensor mode.
+    Collective bytes are this rank's, of the last step.
     """
     if steps < 0:
         raise ValueError(f"steps={steps} must be >= 0 (0: set-up only)")
